@@ -1,0 +1,277 @@
+"""Make megatron-core run on a CPU-only machine (gloo), for tests and the CPU demo.
+
+megatron-core assumes CUDA in a handful of places. ``apply()`` patches exactly those, and only
+when ``torch.cuda.is_available()`` is False; on a GPU machine it does nothing. Every patch is
+idempotent and tolerant of the megatron-core versions we support (0.16 through 0.19): a
+module or attribute that a version lacks is skipped, never an error. The six patches, as
+measured in ``shared/docs/cpu-recipe.md``:
+
+1. ``torch.cuda.current_device`` -> ``"cpu"``. Megatron allocates buffers with
+   ``device=torch.cuda.current_device()`` in dozens of places (layers, p2p, DDP buffers);
+   answering "cpu" makes all of them CPU tensors without touching those call sites.
+2. The CUDA RNG tracker -> ``CPURNGStatesTracker``. Attention and weight init fork the
+   tracker's named states (``model-parallel-rng`` ...) even with dropout 0. On CPU the only
+   generator is the default CPU one, so each named state is a saved CPU generator state that
+   ``fork(name)`` swaps in and out, with the same per-name semantics as the CUDA tracker.
+   Megatron's own ``_get/_set_cuda_rng_state`` (used by activation recompute) are pointed at
+   the CPU generator too.
+3. Hard-coded ``device="cuda"`` tensor factories inside a few modules (pipeline schedules,
+   optimizer, clip_grads, grad buffers, utils, the causal-mask helper) are redirected by
+   giving those modules a view of ``torch`` whose factories map a CUDA device to CPU. This is
+   local to those modules and 1.5-2x faster than a process-wide ``TorchFunctionMode``.
+4. ``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``; it
+   is replaced (in ``clip_grads`` and in the optimizer module that imported it) by the same
+   in-place scaling without the type-string assertion.
+5. ``torch.cuda.synchronize`` (called after pipeline p2p) becomes a no-op.
+6. ``torch.cuda.current_stream`` / ``default_stream`` / ``Stream`` (newer DDP) return a
+   do-nothing stream object.
+
+Not covered, because they are GPU-only paths by design: sequence parallel, the distributed
+optimizer, the bf16/fp16 mixed-precision optimizer and context parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Dict, List
+
+import torch
+
+_APPLIED: Dict[str, bool] = {}
+
+#: Modules whose module-level ``torch`` gets the CPU view (patch 3).
+CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+)
+
+_FACTORIES = (
+    "tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like",
+)
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare int means a CUDA ordinal
+
+
+class _CpuTorchView:
+    """Stands in for ``torch`` inside one Megatron module: CUDA factories land on CPU."""
+
+    def __init__(self) -> None:
+        for name in _FACTORIES:
+            setattr(self, name, self._wrap(getattr(torch, name)))
+
+    @staticmethod
+    def _wrap(fn):
+        def factory(*args, **kwargs):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        factory.__wrapped__ = fn
+        return factory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _NullStream:
+    """A do-nothing stand-in for ``torch.cuda.Stream`` on CPU (patch 6)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _cpu_rng_state_get(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_state_set(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_tracker_class(base):
+    class CPURNGStatesTracker(base):
+        """Megatron's RNG tracker with named states kept as CPU generator states (patch 2)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.pop("use_cudagraphable_rng", None)
+            kwargs.pop("is_inference_rng_tracker", None)
+            self.use_cudagraphable_rng = False
+            self.is_inference_rng_tracker = False
+            self.reset()
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    return CPURNGStatesTracker
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without the CUDA type-string assert (patch 4)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for p in parameters:
+        g = getattr(p, attr, None)
+        if g is not None:
+            if g.dtype != torch.float32 and not use_decoupled_grad:
+                raise TypeError(f"expected fp32 gradients for clipping, got {g.dtype}")
+            grads.append(g.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _patch_synchronize() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _patch_streams() -> None:
+    torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.default_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.Stream = _NullStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not getattr(mrandom.CudaRNGStatesTracker, "_megatron_stare_cpu", False):
+        cls = _make_cpu_tracker_class(mrandom.CudaRNGStatesTracker)
+        cls._megatron_stare_cpu = True
+        mrandom.CudaRNGStatesTracker = cls
+    mrandom._get_cuda_rng_state = _cpu_rng_state_get
+    mrandom._set_cuda_rng_state = _cpu_rng_state_set
+    # A tracker built before the patch would be a CUDA one: drop it so the next use rebuilds.
+    tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    if tracker is not None and not isinstance(tracker, mrandom.CudaRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER = None
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def _patch_factories() -> List[str]:
+    view = _CpuTorchView()
+    patched = []
+    for name in CUDA_FACTORY_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = view
+            patched.append(name)
+    return patched
+
+
+def _patch_clip_grads() -> None:
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.distrib_optimizer"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "clip_grad_by_total_norm_fp32"):
+            mod.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+
+
+#: The patches by name, in the order of the module docstring.
+PATCHES = {
+    "current_device": _patch_current_device,
+    "rng": _patch_rng,
+    "factories": _patch_factories,
+    "clip_grads": _patch_clip_grads,
+    "synchronize": _patch_synchronize,
+    "streams": _patch_streams,
+}
+
+
+def apply(force: bool = False, skip: tuple = ()) -> bool:
+    """Apply the CPU patches if CUDA is absent (or ``force``). Returns True if active.
+
+    Safe to call many times; call it before building any Megatron object. ``skip`` names
+    patches to leave out; it exists so the tests can prove each patch is needed.
+    """
+    if torch.cuda.is_available() and not force:
+        return False
+    unknown = set(skip) - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown CPU patch name(s) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    for name, patch in PATCHES.items():
+        if name not in skip and not _APPLIED.get(name):
+            patch()
+            _APPLIED[name] = True
+    return True
+
+
+def is_applied() -> bool:
+    return all(_APPLIED.get(name) for name in PATCHES)

@@ -1,0 +1,137 @@
+"""Build a megatron-core ``GPTModel`` stage from a typed, architecture-neutral ``GPTSpec``.
+
+``GPTSpec`` holds what Megatron needs to know about a decoder-only transformer (Qwen2/2.5,
+Llama 2/3, Qwen3 all fit). The HF ``config.json`` -> ``GPTSpec`` step lives with each
+architecture's mapping; this module only turns a spec into the local pipeline stage of a
+Megatron model on this rank (local layer spec without transformer-engine, TE spec with it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """Shape and options of a decoder-only transformer, in Megatron's terms.
+
+    ``vocab_size`` is the tokenizer/HF vocabulary; Megatron's embedding holds
+    ``padded_vocab_size(tp)`` rows, the extra rows being padding that is never a target.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    kv_channels: Optional[int] = None  # head dim; default hidden // heads
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3 style {"factor": 8.0, ...}
+    norm_epsilon: float = 1e-6
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128
+    architecture: str = "qwen2"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp``."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def have_transformer_engine() -> bool:
+    """True when transformer-engine imports (an optional GPU accelerator, never required)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken TE install counts as absent
+        return False
+    return True
+
+
+def transformer_config(spec: GPTSpec, tp: int, pp: int, *, dtype: torch.dtype = torch.float32,
+                       sequence_parallel: bool = False, recompute: Optional[str] = None, **overrides):
+    """The megatron-core ``TransformerConfig`` for ``spec`` at tensor/pipeline degrees tp, pp."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=True,  # micro-batches of a token budget differ in length
+        moe_token_dispatcher_type="alltoall",  # (only so Megatron accepts variable lengths)
+    )
+    if recompute:
+        kwargs.update(recompute_granularity=recompute,
+                      **({"recompute_method": "uniform", "recompute_num_layers": 1}
+                         if recompute == "full" else {}))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: bool,
+                    tp: int, use_te: Optional[bool] = None):
+    """This rank's pipeline stage of the model (weights randomly initialised by Megatron)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te is None:
+        use_te = have_transformer_engine() and torch.cuda.is_available()
+    layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+                  if use_te else
+                  get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"))
+    rope = dict(rotary_base=int(spec.rotary_base))
+    if spec.rope_scaling:
+        rope.update(rope_scaling=True, rope_scaling_factor=float(spec.rope_scaling.get("factor", 8.0)))
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        **rope,
+    )

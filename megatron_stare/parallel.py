@@ -1,0 +1,237 @@
+"""The parallel layout (tp, pp, dp, cp) and the process groups that go with it.
+
+``ParallelLayout`` is a frozen description validated up front against the world size, the
+model's shape and the device, before any process group exists. ``init_distributed`` then
+creates the default group (NCCL with CUDA, gloo without), sets up Megatron's parallel state
+exactly once, seeds Megatron's RNG tracker, and returns a ``ParallelGroups`` whose named
+groups math code receives explicitly (``tp_group=``, ``dp_group=``): nothing below the actor
+reaches into Megatron's module globals.
+
+Rank order follows Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are adjacent, PP is outermost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the degree and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model dimensions a layout must divide."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    hidden_size: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of tensor (tp), pipeline (pp), data (dp) and context (cp) parallelism.
+
+    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` and
+    ``distributed_optimizer`` are GPU features (see ``compat/cpu.py``) validated here too.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, **kw) -> "ParallelLayout":
+        """The layout with ``dp`` filled in from the world size."""
+        for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
+            if not isinstance(v, int) or v < 1:
+                raise LayoutError(f"parallel.{name} must be an integer >= 1, got {v!r}")
+        mp = tp * pp * cp
+        if world_size % mp:
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {mp}; "
+                f"launch a multiple of {mp} ranks or change the degrees"
+            )
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // mp, **kw)
+
+    def validate(self, world_size: Optional[int] = None, shape: Optional[ModelShape] = None,
+                 cuda: Optional[bool] = None) -> "ParallelLayout":
+        """Raise ``LayoutError`` (one line naming the field and the fix) if this layout can't run."""
+        for name in ("tp", "pp", "dp", "cp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"parallel.{name} must be an integer >= 1, got {v!r}")
+        if world_size is not None and self.world_size != world_size:
+            raise LayoutError(
+                f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.world_size} "
+                f"but the world size is {world_size}; set parallel.dp so the product matches"
+            )
+        if shape is not None:
+            if shape.num_attention_heads % self.tp:
+                raise LayoutError(
+                    f"parallel.tp={self.tp} does not divide the {shape.num_attention_heads} "
+                    f"attention heads; choose tp among the divisors of the head count"
+                )
+            if shape.num_query_groups % self.tp:
+                raise LayoutError(
+                    f"parallel.tp={self.tp} does not divide the {shape.num_query_groups} "
+                    f"key/value heads (query groups); choose tp dividing the KV-head count"
+                )
+            if shape.num_layers % self.pp:
+                raise LayoutError(
+                    f"parallel.pp={self.pp} does not divide the {shape.num_layers} layers; "
+                    f"choose pp dividing the layer count"
+                )
+            if shape.num_layers < self.pp:
+                raise LayoutError(f"parallel.pp={self.pp} exceeds the {shape.num_layers} layers")
+        if cuda is None:
+            cuda = torch.cuda.is_available()
+        if not cuda:
+            if self.sequence_parallel:
+                raise LayoutError("parallel.sequence_parallel needs CUDA (torch norms refuse it on "
+                                  "CPU); set parallel.sequence_parallel=false")
+            if self.distributed_optimizer:
+                raise LayoutError("parallel.distributed_optimizer needs CUDA; set "
+                                  "parallel.distributed_optimizer=false on CPU")
+            if self.cp > 1:
+                raise LayoutError("parallel.cp > 1 needs transformer-engine attention on CUDA; "
+                                  "set parallel.cp=1 on CPU")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("parallel.sequence_parallel needs parallel.tp > 1")
+        return self
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's coordinates and process groups, handed to code that communicates.
+
+    ``dp_cp_group`` spans data and context parallel ranks: token-level reductions over the
+    whole mini-batch (token-mean denominators, STARE thresholds) use it.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    pp_group: Optional[dist.ProcessGroup]
+    dp_group: Optional[dist.ProcessGroup]
+    cp_group: Optional[dist.ProcessGroup]
+    dp_cp_group: Optional[dist.ProcessGroup]
+    mp_group: Optional[dist.ProcessGroup]
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage that shares this rank's tp/dp/cp coordinates."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_last_rank()
+
+    @property
+    def pp_first_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_first_rank()
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 1800,
+                     shape: Optional[ModelShape] = None) -> ParallelGroups:
+    """Create the default group if needed, set Megatron's parallel state once, seed RNG.
+
+    Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as set by torchrun when the default group
+    does not exist yet. Applies the CPU compatibility layer when CUDA is absent.
+    """
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from megatron_stare.compat import cpu as cpu_compat
+
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout.validate(world_size=world, shape=shape, cuda=cuda)
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            from megatron_stare.testing.distributed import free_port
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("RANK", "0")
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    layout.validate(world_size=dist.get_world_size(), shape=shape, cuda=cuda)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised; call "
+                           "destroy_distributed() before init_distributed() again")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelGroups(
+        layout=layout,
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        mp_group=ps.get_model_parallel_group(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default group."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
+    """Global ranks of ``group`` (the whole world for None)."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)

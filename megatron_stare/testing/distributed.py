@@ -1,0 +1,131 @@
+"""Run a function on N gloo ranks on CPU and collect each rank's return value.
+
+Used by the multi-rank tests: ``run_on_ranks(fn, world_size, *args)`` spawns ``world_size``
+fresh processes (so Megatron's module-level parallel state never leaks between tests), gives
+them a free loopback port, ``OMP_NUM_THREADS=1``, a gloo default process group, and calls
+``fn(rank, world_size, *args)``. ``fn`` must be a module-level (picklable) function and its
+return value picklable. If any rank fails, the error raised here lists every failing rank's
+traceback, not only the first.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        # Tensors sent through a torch queue live in shared memory that dies with this
+        # process: send plain bytes instead.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; the message holds every failing rank's traceback."""
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Raises ``RankFailure`` naming every failing rank (with its traceback), or when a rank dies
+    without reporting, or when the whole run exceeds ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankFailure(
+                    f"timed out after {timeout:.0f}s; ranks that reported: {sorted(got)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+                got[rank] = (ok, payload)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in got]
+                if dead:
+                    # Give a dying rank a moment to flush its message to the queue.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                        got[rank] = (ok, payload)
+                        continue
+                    except queue.Empty:
+                        codes = {i: procs[i].exitcode for i in dead}
+                        raise RankFailure(f"rank(s) died without reporting, exit codes {codes}")
+                # A failed rank may leave its peers blocked in a collective: stop early.
+                if any(not ok for ok, _ in got.values()):
+                    time.sleep(2.0)
+                    while True:
+                        try:
+                            rank, ok, payload = results.get_nowait()
+                            got[rank] = (ok, payload)
+                        except queue.Empty:
+                            break
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: msg for r, (ok, msg) in sorted(got.items()) if not ok}
+    if failures:
+        text = "\n".join(f"----- rank {r} -----\n{msg}" for r, msg in failures.items())
+        raise RankFailure(f"{len(failures)} of {world_size} rank(s) failed:\n{text}")
+    if len(got) < world_size:
+        raise RankFailure(f"only ranks {sorted(got)} of {world_size} reported")
+    import torch
+
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

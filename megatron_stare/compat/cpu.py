@@ -39,6 +39,7 @@ from typing import Any, Dict, List
 import torch
 
 _APPLIED: Dict[str, bool] = {}
+_SKIPPED: set = set()  # patches left out on purpose (tests only); later apply() calls honour it
 
 #: Modules whose module-level ``torch`` gets the CPU view (patch 3).
 CUDA_FACTORY_MODULES = (
@@ -259,15 +260,17 @@ def apply(force: bool = False, skip: tuple = ()) -> bool:
     """Apply the CPU patches if CUDA is absent (or ``force``). Returns True if active.
 
     Safe to call many times; call it before building any Megatron object. ``skip`` names
-    patches to leave out; it exists so the tests can prove each patch is needed.
+    patches to leave out, for the rest of the process; it exists so the tests can prove each
+    patch is needed.
     """
     if torch.cuda.is_available() and not force:
         return False
     unknown = set(skip) - set(PATCHES)
     if unknown:
         raise ValueError(f"unknown CPU patch name(s) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    _SKIPPED.update(skip)
     for name, patch in PATCHES.items():
-        if name not in skip and not _APPLIED.get(name):
+        if name not in _SKIPPED and not _APPLIED.get(name):
             patch()
             _APPLIED[name] = True
     return True

@@ -69,7 +69,8 @@ def lm_batches(global_batch: int, seq: int, vocab: int, steps: int, seed: int = 
 
 
 def train_lm_steps(groups: ParallelGroups, batches: List[torch.Tensor], micro_batch: int,
-                   spec: GPTSpec = TINY_SPEC, miswire_tp: bool = False) -> Dict[str, list]:
+                   spec: GPTSpec = TINY_SPEC, miswire_tp: bool = False,
+                   clip_grad: float = 1.0) -> Dict[str, list]:
     """Train next-token LM on ``batches`` (each split over DP, then into micro-batches).
 
     Returns per-step global mean loss and grad norm, plus the final full-vocab logits of the
@@ -77,7 +78,7 @@ def train_lm_steps(groups: ParallelGroups, batches: List[torch.Tensor], micro_ba
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, opt, cfg = build_trainable(groups, spec, miswire_tp=miswire_tp)
+    ddp, opt, cfg = build_trainable(groups, spec, miswire_tp=miswire_tp, clip_grad=clip_grad)
     lay = groups.layout
     fb = get_forward_backward_func()
     seq = batches[0].shape[1] - 1

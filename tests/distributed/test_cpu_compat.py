@@ -1,0 +1,93 @@
+"""Each CPU patch of megatron_stare.compat.cpu is needed: leaving it out breaks the Megatron
+path it exists for, and with all patches that same path works. Each case runs in a fresh
+spawned process, since the patches are process-wide."""
+
+import pytest
+import torch
+
+from megatron_stare.testing.distributed import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+if torch.cuda.is_available():  # pragma: no cover - the layer is a no-op with CUDA
+    pytest.skip("the CPU compatibility layer only applies without CUDA", allow_module_level=True)
+
+
+def _train_one_step(rank, world, skip, pp, clip_grad):
+    """Apply the layer minus ``skip``, then one Megatron training step; 'ok' or the error."""
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.testing import megatron_tiny as mt
+
+        groups = init_distributed(ParallelLayout.from_world(world, pp=pp))
+        batches = mt.lm_batches(4, 8, mt.TINY_SPEC.vocab_size, 1)
+        out = mt.train_lm_steps(groups, batches, 2, clip_grad=clip_grad)
+        return "ok" if all(torch.isfinite(torch.tensor(out["loss"]))) else "nan"
+    except Exception as e:  # noqa: BLE001 - the error is the result under test
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("skip,pp,clip", [
+    ("current_device", 1, 1.0),
+    ("rng", 1, 1.0),
+    ("factories", 1, 0.0),
+    ("clip_grads", 1, 1.0),
+    ("synchronize", 2, 0.0),
+])
+def test_patch_is_needed(skip, pp, clip):
+    broken = run_on_ranks(_train_one_step, pp, (skip,), pp, clip)
+    assert any(r != "ok" for r in broken), f"training worked without the {skip!r} patch"
+    fixed = run_on_ranks(_train_one_step, pp, (), pp, clip)
+    assert fixed == ["ok"] * pp, fixed
+
+
+def _streams(rank, world, skip):
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        # The calls newer megatron DDP makes around its gradient-reduction stream.
+        stream = torch.cuda.Stream(device=torch.cuda.current_device())
+        stream.wait_stream(torch.cuda.default_stream())
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.stream(stream):
+            pass
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def test_streams_patch_is_needed():
+    assert run_on_ranks(_streams, 1, ("streams",))[0] != "ok"
+    assert run_on_ranks(_streams, 1, ())[0] == "ok"
+
+
+def _rng_fork_semantics(rank, world):
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import tensor_parallel
+
+    from megatron_stare.parallel import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout.from_world(world), seed=7)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    mid = torch.get_rng_state()
+    with tracker.fork():
+        b = torch.rand(3)
+    # Default stream untouched by forks; the named stream advances across forks.
+    return torch.equal(before, mid), torch.equal(a, b), a, torch.equal(torch.get_rng_state(), before)
+
+
+def test_rng_tracker_fork_semantics():
+    untouched, repeated, a, after = run_on_ranks(_rng_fork_semantics, 1)[0]
+    again = run_on_ranks(_rng_fork_semantics, 1)[0][2]
+    assert untouched and after, "forking changed the default CPU generator"
+    assert not repeated, "the named state did not advance between forks"
+    assert torch.equal(a, again), "the named state is not reproducible from the seed"

@@ -1,0 +1,228 @@
+"""Log-prob and entropy straight from hidden states and the output-layer weight, no logits.
+
+The logits ``hidden @ weight.T`` (``[T, V/tp]``) are never materialised: they are produced one
+``[chunk_size, vocab_chunk_size]`` tile at a time, folded into an online log-sum-exp / online
+entropy state (per row: running max ``M`` and, relative to it, ``S = sum e``, ``A = sum e*(z-M)``,
+``B = sum e^2``, ``C = sum e^2*(z-M)`` with ``e = exp(z-M)``), and recomputed tile by tile in
+backward. Peak extra memory is a few tiles plus a ``[chunk_size, h]`` accumulator (and an fp32
+``[V/tp, h]`` accumulator for the weight gradient when the weight is bf16/fp16).
+
+Tensor parallelism: Megatron's output layer is column-parallel, so ``hidden`` is replicated on the
+TP ranks and each rank holds a ``[V/tp, h]`` weight shard. The gradient this function returns for
+``hidden`` is **this rank's partial contribution** (the sum over its vocab shard only). The caller
+must wrap ``hidden`` in Megatron's ``copy_to_tensor_model_parallel_region`` (identity forward,
+all-reduce backward) -- exactly what ``ColumnParallelLinear`` does -- so the partial gradients are
+summed over TP. The weight gradient is local to the shard and needs no reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_stare.ops.vocab_parallel import (
+    LogProbOutput,
+    VocabShard,
+    all_reduce,
+    check_target_range,
+    compute_dtype,
+    entropy_logit_grad,
+    finish_stats,
+    resolve_shard,
+    shifted_stats,
+    validate_common,
+)
+
+__all__ = ["fused_linear_logprobs_entropy"]
+
+
+def _rescale(state: Tensor, m_old: Tensor, m_new: Tensor) -> Tensor:
+    """Re-express a ``[R, 4]`` (S, A, B, C) state relative to max ``m_old`` against ``m_new``.
+
+    ``e^{z-m_new}(z-m_new) = r e^{z-m_old}((z-m_old) + d)`` with ``r = e^{m_old-m_new}``,
+    ``d = m_old - m_new``; rows with ``m_old = -inf`` hold zeros and must stay zeros (d := 0).
+    """
+    d = m_old - m_new
+    r = d.exp()
+    d = torch.where(torch.isneginf(m_old), 0.0, d)
+    s, a, b, c = state.unbind(1)
+    r2 = r.square()
+    return torch.stack((r * s, r * (a + d * s), r2 * b, r2 * (c + d * b)), 1)
+
+
+def _tile_logits(hc: Tensor, w_tile: Tensor, temperature: float, cd: torch.dtype) -> Tensor:
+    """``[R, n]`` logits of one tile in the compute dtype (matmul in the input dtype)."""
+    z = (hc @ w_tile.T).to(cd)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _forward(hidden, weight, targets, shard: VocabShard, temperature, need_ent, need_sens, chunk,
+             vchunk):
+    T = hidden.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    dev = hidden.device
+    new = lambda: torch.empty(T, dtype=cd, device=dev)  # noqa: E731
+    logp, lse = new(), new()
+    ent = new() if need_ent else None
+    p2 = new() if need_sens else None
+    p2l = new() if need_sens else None
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        hc = hidden[s:e]
+        idx, hit = shard.local_targets(targets[s:e])
+        m = torch.full((e - s,), float("-inf"), dtype=cd, device=dev)
+        state = torch.zeros((e - s, 4), dtype=cd, device=dev)
+        zt = torch.zeros(e - s, dtype=cd, device=dev)
+        for v0 in range(0, shard.n_valid, vchunk):
+            v1 = min(v0 + vchunk, shard.n_valid)
+            z = _tile_logits(hc, weight[v0:v1], temperature, cd)
+            in_tile = hit & (idx >= v0) & (idx < v1)
+            zt += torch.where(in_tile, z.gather(1, (idx - v0).clamp(0, v1 - v0 - 1)[:, None])
+                              .squeeze(1), 0.0)
+            m_tile = z.amax(1)
+            m_new = torch.maximum(m, m_tile)
+            tile = torch.zeros_like(state)
+            shifted_stats(z.sub_(m_tile[:, None]), tile, need_ent, need_sens)
+            state = _rescale(state, m, m_new) + _rescale(tile, m_tile, m_new)
+            m = m_new
+        m_local = m.clone()
+        all_reduce(m, dist.ReduceOp.MAX, shard.group)
+        sums = torch.cat((torch.where(hit, zt - m, 0.0)[:, None], _rescale(state, m_local, m)), 1)
+        all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+        r = finish_stats(m, sums, need_ent, need_sens)
+        for dst, src in zip((logp, lse, ent, p2, p2l), r):
+            if dst is not None:
+                dst[s:e] = src
+    return logp, lse, ent, p2, p2l
+
+
+def _backward(hidden, weight, targets, shard, temperature, lse, h, g_lp, g_h, chunk, vchunk,
+              need_dh, need_dw):
+    T = hidden.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    dev = hidden.device
+    dh = torch.zeros_like(hidden) if need_dh else None
+    # Accumulate the weight gradient over T-chunks in the compute dtype (fp32 for bf16 weights).
+    dw = torch.zeros(weight.shape, dtype=cd, device=dev) if need_dw else None
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        hc = hidden[s:e]
+        idx, hit = shard.local_targets(targets[s:e])
+        gl = torch.zeros(e - s, dtype=cd, device=dev) if g_lp is None else g_lp[s:e].to(cd)
+        gh = None if g_h is None else g_h[s:e].to(cd)
+        hrow = None if h is None else h[s:e]
+        dhc = torch.zeros(hc.shape, dtype=cd, device=dev) if need_dh else None
+        for v0 in range(0, shard.n_valid, vchunk):
+            v1 = min(v0 + vchunk, shard.n_valid)
+            w = weight[v0:v1]
+            gz = _tile_logits(hc, w, temperature, cd).sub_(lse[s:e, None])
+            entropy_logit_grad(gz, gl, gh, hrow)
+            in_tile = hit & (idx >= v0) & (idx < v1)
+            gz.scatter_add_(1, (idx - v0).clamp(0, v1 - v0 - 1)[:, None],
+                            torch.where(in_tile, gl, 0.0)[:, None])
+            if temperature != 1.0:
+                gz.div_(temperature)
+            gz = gz.to(hidden.dtype)  # matmuls run in the input dtype, accumulate in cd
+            if need_dh:
+                dhc += gz @ w
+            if need_dw:
+                dw[v0:v1] += gz.T @ hc
+        if need_dh:
+            dh[s:e] = dhc
+    return dh, None if dw is None else dw.to(weight.dtype)
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, shard, temperature, need_ent, entropy_grad, need_sens,
+                chunk, vchunk):
+        logp, lse, ent, p2, p2l = _forward(hidden, weight, targets, shard, temperature, need_ent,
+                                           need_sens, chunk, vchunk)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent if entropy_grad else None)
+        ctx.cfg = (shard, temperature, chunk, vchunk)
+        empty = logp.new_empty(0)
+        outs = [logp, ent if need_ent else empty, p2 if need_sens else empty,
+                p2l if need_sens else empty]
+        ctx.mark_non_differentiable(*outs[2:])
+        if not entropy_grad:
+            ctx.mark_non_differentiable(outs[1])
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h, _g_p2, _g_p2l):
+        hidden, weight, targets, lse, h = ctx.saved_tensors
+        shard, temperature, chunk, vchunk = ctx.cfg
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        if h is None:
+            g_h = None
+        if g_lp is None and g_h is None:
+            return (None,) * 10
+        dh, dw = _backward(hidden, weight, targets, shard, temperature, lse, h, g_lp, g_h, chunk,
+                           vchunk, need_dh, need_dw)
+        return (dh, dw) + (None,) * 8
+
+
+def fused_linear_logprobs_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    valid_vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    with_sensitivity: bool = False,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int = 4096,
+) -> LogProbOutput:
+    """Same results as :func:`vocab_parallel_logprobs_entropy` on ``hidden @ weight.T``.
+
+    Args:
+        hidden: ``[T, h]`` final hidden states, replicated on the TP ranks (see module docstring
+            for how its gradient must be reduced).
+        weight: ``[V/tp, h]`` this rank's output-layer (or tied embedding) shard; rows at global id
+            >= ``valid_vocab_size`` are padding and are skipped.
+        targets, tp_group, vocab_start, valid_vocab_size, temperature, with_entropy, entropy_grad,
+        with_sensitivity: as for :func:`vocab_parallel_logprobs_entropy`.
+        chunk_size: rows of ``hidden`` per tile; vocab_chunk_size: weight rows per tile.
+
+    Returns:
+        :class:`LogProbOutput` (``[T]`` tensors, fp32; fp64 for fp64 inputs). Gradients: ``hidden``
+        gets this rank's partial sum (caller all-reduces over TP), ``weight`` its exact local grad;
+        both in their own dtypes. Two all-reduces over ``tp_group`` per row chunk.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [T, h] and weight [V/tp, h], got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if not hidden.dtype.is_floating_point or hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a floating dtype, got {hidden.dtype} and "
+                         f"{weight.dtype}")
+    validate_common(hidden.shape[0], targets, temperature, chunk_size)
+    if vocab_chunk_size < 1:
+        raise ValueError(f"vocab_chunk_size must be >= 1, got {vocab_chunk_size}")
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True")
+    shard = resolve_shard(weight.shape[0], tp_group, vocab_start, valid_vocab_size)
+    check_target_range(targets, shard)
+    args = (shard, float(temperature), with_entropy, entropy_grad, with_sensitivity, chunk_size,
+            vocab_chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        logp, ent, p2, p2l = _FusedLinearLogProbs.apply(hidden, weight, targets, *args)
+    else:
+        logp, _, ent, p2, p2l = _forward(hidden.detach(), weight.detach(), targets, shard,
+                                         float(temperature), with_entropy, with_sensitivity,
+                                         chunk_size, vocab_chunk_size)
+    return LogProbOutput(
+        logprobs=logp,
+        entropy=ent if with_entropy else None,
+        sum_p2=p2 if with_sensitivity else None,
+        sum_p2_logp=p2l if with_sensitivity else None,
+    )

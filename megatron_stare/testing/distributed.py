@@ -27,7 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+            results) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,8 +43,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
+        backend = os.environ.get("MEGATRON_STARE_TEST_BACKEND", "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args, **kwargs)
         # Tensors sent through a torch queue live in shared memory that dies with this
         # process: send plain bytes instead.
         buf = io.BytesIO()
@@ -63,8 +67,9 @@ class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds every failing rank's traceback."""
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
+                 **kwargs: Any) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
     Raises ``RankFailure`` naming every failing rank (with its traceback), or when a rank dies
     without reporting, or when the whole run exceeds ``timeout`` seconds.
@@ -73,7 +78,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

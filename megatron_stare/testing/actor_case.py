@@ -1,0 +1,87 @@
+"""A fixed synthetic rollout batch and one actor update, for the layout-equivalence tests.
+
+``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, dp = world/(tp*pp)), the log-prob
+pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of mixed
+prompt/response lengths and mixed advantages, and returns what must be layout-independent: the
+losses, grad norms, metrics, selected token keys and the updated canonical weights.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron_stare.algorithms.advantages import compute_advantages
+from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
+from megatron_stare.algorithms.stare import StareController
+from megatron_stare.config import OptimizerConfig, ParallelConfig
+from megatron_stare.models.sharding import gather_canonical, load_canonical
+from megatron_stare.parallel import ParallelLayout, init_distributed
+from megatron_stare.testing.megatron_tiny import TINY_SPEC, seeded_canonical
+from megatron_stare.types import Sample
+
+
+def synthetic_samples(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = TINY_SPEC.vocab_size) -> List[Sample]:
+    """``groups`` prompts x ``n`` responses; lengths 2-24, rewards in {0, 1} (some equal groups)."""
+    rng = random.Random(seed)
+    out: List[Sample] = []
+    for g in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 8))]
+        for _ in range(n):
+            resp = [rng.randrange(vocab) for _ in range(rng.choice([2, 5, 11, 24]))]
+            out.append(Sample(sample_id=len(out), group_id=g, prompt_ids=prompt, response_ids=resp,
+                              reward=float(rng.random() < 0.5) if g != 1 else 1.0))
+    rewards = torch.tensor([s.reward for s in out])
+    adv = compute_advantages(rewards, torch.tensor([s.group_id for s in out]), AlgorithmConfig())
+    for s, a in zip(out, adv.tolist()):
+        s.advantage = a
+    return out
+
+
+def gather_full_model(actor) -> Dict[str, torch.Tensor]:
+    """Canonical weights of the whole model on every rank (test-sized models only)."""
+    g = actor.groups
+    mine = dict(gather_canonical(actor.module, g.tp_group, g.layout.tp))
+    if g.layout.pp == 1:
+        return mine
+    parts = [None] * g.layout.pp
+    dist.all_gather_object(parts, mine, group=g.pp_group)
+    full: Dict[str, torch.Tensor] = {}
+    for p in parts:
+        full.update(p)
+    return full
+
+
+def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str = "stare",
+                   target_entropy: float = 100.0, variant: str = "C2", mini_batches: int = 1,
+                   max_rows=None, micro_batch_tokens: int = 4096, lr: float = 1e-5,
+                   dtype=torch.float32, distributed_optimizer: bool = False):
+    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
+    groups = init_distributed(lay, seed=1234)
+    from megatron_stare.actor import ActorSettings, MegatronActor
+
+    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0,
+                           stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
+    settings = ActorSettings(parallel=ParallelConfig(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens),
+                             optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
+                             dtype=dtype, max_rows_per_micro_batch=max_rows)
+
+    def load(stage, g):
+        load_canonical(stage, lambda n, s: seeded_canonical(n, s).to(dtype), g.tp_rank, g.layout.tp)
+
+    actor = MegatronActor(TINY_SPEC, groups, settings, load)
+    samples = synthetic_samples()
+    batches = actor.prepare(samples, mini_batches=mini_batches)
+    stats = actor.compute_logprobs(batches)
+    state = StareController(algo.stare).update(stats.entropy)
+    # A second, perturbed "old" policy makes rho != 1 so the clip branches are exercised.
+    for mini in batches:
+        for mb in mini:
+            mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
+    res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
+    return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
+            "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
+            "weights": gather_full_model(actor)}

@@ -1,0 +1,81 @@
+"""One STARE update of the Megatron actor is layout-invariant: at every (TP, PP, DP) and
+micro-batch split it gives the single process's loss, grad norm, selected tokens and updated
+weights (fp32). lr is 1e-5 (RL scale): Adam turns any gradient into a step of ~lr, so the
+weight tolerance 1e-6 is a tenth of a step, and the test checks the step really happened."""
+
+import pytest
+import torch
+
+from megatron_stare.testing.actor_case import run_actor_case
+from megatron_stare.testing.distributed import run_on_ranks
+from megatron_stare.testing.megatron_tiny import seeded_canonical
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(run_actor_case, 1, 1, 1)[0]
+
+
+def assert_same_update(ref, got):
+    assert len(ref["loss"]) == len(got["loss"])
+    for a, b in zip(ref["loss"], got["loss"]):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (ref["loss"], got["loss"])
+    for a, b in zip(ref["grad_norm"], got["grad_norm"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (ref["grad_norm"], got["grad_norm"])
+    assert got["selected"] == ref["selected"], "STARE selected a different token set"
+    for name, w in ref["weights"].items():
+        diff = (w - got["weights"][name]).abs().max().item()
+        assert diff <= 1e-6, f"{name} differs by {diff}"
+    for k in ("stare/positive_reweight_ratio", "stare/negative_reweight_ratio", "pg_clipfrac", "entropy"):
+        assert abs(ref["metrics"][k] - got["metrics"][k]) <= 1e-6, k
+
+
+def test_reference_update_is_not_trivial(reference):
+    assert reference["gate_on"] and len(reference["selected"]) > 0
+    moved = [(w - seeded_canonical(n, w.shape)).abs().max().item() for n, w in reference["weights"].items()]
+    assert max(moved) > 5e-6, "the update did not move the weights"
+    assert 0 < reference["metrics"]["stare/positive_reweight_ratio"] < reference["metrics"]["stare/positive_candidate_ratio"]
+
+
+@pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1), (4, 2, 2)],
+                         ids=["tp2", "pp2", "dp2", "tp2pp2"])
+def test_layouts_match_single_process(reference, world, tp, pp):
+    for got in run_on_ranks(run_actor_case, world, tp, pp):
+        assert_same_update(reference, got)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_micro_batch_sizes_match(reference, rows):
+    got = run_on_ranks(run_actor_case, 1, 1, 1, max_rows=rows)[0]
+    assert_same_update(reference, got)
+
+
+def _two_mini_batches(rank, world, tp, pp):
+    return run_actor_case(rank, world, tp, pp, mini_batches=2, max_rows=3)
+
+
+def test_two_mini_batches_match_across_layouts():
+    ref = run_on_ranks(_two_mini_batches, 1, 1, 1)[0]
+    assert len(ref["loss"]) == 2
+    for got in run_on_ranks(_two_mini_batches, 2, 1, 1):
+        assert_same_update(ref, got)
+
+
+def _gate_off(rank, world, tp, pp, loss):
+    return run_actor_case(rank, world, tp, pp, policy_loss=loss, target_entropy=0.0)
+
+
+def test_grpo_equals_stare_with_gate_off():
+    stare = run_on_ranks(_gate_off, 1, 1, 1, "stare")[0]
+    grpo = run_on_ranks(_gate_off, 1, 1, 1, "vanilla")[0]
+    assert not stare["gate_on"]
+    assert stare["loss"] == grpo["loss"] and stare["grad_norm"] == grpo["grad_norm"]
+    for name, w in grpo["weights"].items():
+        assert torch.equal(w, stare["weights"][name]), name
+
+
+def test_stare_update_differs_from_grpo_when_gate_on(reference):
+    grpo = run_on_ranks(_gate_off, 1, 1, 1, "vanilla")[0]
+    assert reference["loss"] != grpo["loss"]

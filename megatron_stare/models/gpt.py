@@ -33,7 +33,7 @@ class GPTSpec:
     kv_channels: Optional[int] = None  # head dim; default hidden // heads
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # Llama-3 style {"factor": 8.0, ...}
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3" | "linear", "factor": 8.0}
     norm_epsilon: float = 1e-6
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -121,7 +121,10 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
                   if use_te else
                   get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"))
     rope = dict(rotary_base=int(spec.rotary_base))
-    if spec.rope_scaling:
+    if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "linear":
+        # HF divides the frequencies by the factor; Megatron divides the positions (same angle).
+        rope.update(seq_len_interpolation_factor=float(spec.rope_scaling["factor"]))
+    elif spec.rope_scaling:
         rope.update(rope_scaling=True, rope_scaling_factor=float(spec.rope_scaling.get("factor", 8.0)))
     return GPTModel(
         config=config,

@@ -72,12 +72,20 @@ def unshard(parts: list, param: torch.Tensor, name: str, glu: bool) -> torch.Ten
     return torch.cat(parts, dim=dim)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside any stack of ``.module`` wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
 def local_params(model: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Parameter]]:
     """(local name, canonical name, parameter) for every parameter of this stage.
 
-    Names are those of the unwrapped GPTModel (a DDP wrapper's ``module.`` prefix removed).
+    Names are those of the unwrapped GPTModel (the ``module.`` prefixes of wrappers such as
+    DDP and Float16Module removed).
     """
-    inner = getattr(model, "module", model)
+    inner = unwrap(model)
     offsets = _layer_offsets(inner)
     for name, p in inner.named_parameters():
         yield name, global_name(name, offsets), p

@@ -1,0 +1,513 @@
+"""Dry-run planner: the parallel plan of a run and a per-GPU memory estimate, without GPUs.
+
+``python -m megatron_stare.plan --config X.yaml --world-size 32 --gpu-mem-gb 80
+[--hf-config path/to/config.json] [a.b=c ...]`` validates the config for a GPU run, prints the
+plan and exits 0 if it fits, 3 if it does not (with the reason), 2 on a config error (one line).
+
+The memory model (per GPU, in GiB; ``--gpu-mem-gb`` is taken as GiB: an "80 GB" H100 has 79.6):
+
+- **Weights**: bf16 (or the model dtype) parameters of the most-loaded pipeline stage on one TP
+  rank: ``layers/pp`` layers with linear weights and q/k/v biases divided by tp, norms replicated;
+  the input embedding on the first stage and the output layer plus final norm on the last stage
+  (a tied embedding is a second copy on the last stage when pp > 1); the vocabulary padded as
+  Megatron pads it (``model.make_vocab_size_divisible_by * tp``).
+- **Main grads**: Megatron's DDP grad buffer in fp32, one per parameter, never sharded (the
+  distributed optimizer reduce-scatters into the full buffer).
+- **Optimizer**: fp32 master parameters (bf16 models only) and Adam m and v: 12 (8) bytes per
+  parameter, divided over dp*cp with the distributed optimizer (megatron-core shards over the
+  data-parallel group with context parallel).
+- **Activations** of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation"),
+  bf16, per layer ``s*b*h*(34 + 5*a*s/h)`` bytes for GPT (MHA, 4h GELU MLP), generalised here to
+  GQA and SwiGLU (``layer_activation_bytes``); all terms divided by tp with sequence parallel;
+  ``s`` is the micro-batch's tokens on one CP rank. The quadratic ``5*a*s/h`` term (softmax,
+  dropout) is dropped with flash/fused attention, which megatron-core uses on GPU. Full recompute
+  keeps only each layer's input (``2*s*h`` bytes, /tp with SP) plus one layer's full activations
+  while it is recomputed in backward. The 1F1B schedule keeps ``min(pp - stage, micro-batches)``
+  micro-batches in flight on a stage. Logits (last stage): the bf16 ``[s, V/tp]`` shard saved
+  for backward, its gradient, and the vocab-parallel log-prob op's one fp32 ``[chunk, V/tp]``
+  buffer (``ops/vocab_parallel.py``; the fused no-logits path needs less).
+- **Reference model** (``algorithm.kl_loss_coef > 0``): a second copy of the stage's weights,
+  resident (no offload).
+- **Engine**, colocated (``vllm``, ``sglang``): weights sharded by ``rollout.tp`` (whole model,
+  no PP); vLLM reserves ``gpu_memory_utilization * gpu_mem`` in all, and what is left after the
+  weights and a workspace (profiled activations, CUDA graphs) is its KV cache pool. KV per token
+  per GPU ``2 * layers * kv_heads * head_dim * 2 bytes / rollout.tp`` (a KV head is replicated
+  when rollout.tp > kv_heads). The plan also reports the KV the whole rollout batch needs at full
+  length (``sequences per instance * (max_prompt_length + max_new_tokens)``) and how many such
+  sequences the pool holds at once. ``hf`` is modelled as one full model copy per rank with the
+  KV for its share of the batch, resident in every phase; ``*_server`` engines run on other
+  GPUs and cost nothing here.
+
+Phases: colocated engines sleep while the trainer trains (weights and KV released, a residue
+kept), and the trainer keeps its weights, grads and optimizer state resident while the engine
+generates (this trainer does not offload). So the peak is ``max(train, sync, rollout)``:
+
+- ``train``  = trainer state + activations + logits + reference + engine asleep residue;
+- ``sync``   = trainer state + reference + engine weights + one weight-sync bucket (the engine
+  resumes its weights before its KV cache);
+- ``rollout``= trainer state + reference + engine (weights + workspace + KV pool);
+
+each plus a runtime overhead (CUDA context, cuBLAS/NCCL buffers, allocator slack). The numbers
+are estimates for planning, not a guarantee: measure with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from megatron_stare.config import Config, ConfigError, load_config, validate_config
+
+GiB = float(2**30)
+PHASES = ("train", "sync", "rollout")
+COLOCATED_ENGINES = ("vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The constants of the memory model that are not in the config."""
+
+    flash_attention: bool = True
+    """Fused/flash attention: no ``[a, s, s]`` softmax tensors (drops Korthikanti's 5*a*s/h term)."""
+    logits_chunk: int = 1024
+    """Rows of the vocab-parallel op's fp32 ``[chunk, V/tp]`` buffer."""
+    runtime_gib: float = 1.5
+    """CUDA context, cuBLAS workspaces and NCCL communicators per GPU."""
+    fragmentation: float = 0.05
+    """Allocator slack, as a fraction of the GPU's memory."""
+    engine_workspace_gib: float = 2.0
+    """A colocated engine's profiled activations and CUDA graphs while awake (inside its budget)."""
+    engine_asleep_gib: float = 1.0
+    """What a sleeping colocated engine keeps (CUDA-graph pools, its own communicators)."""
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a Llama-like decoder (unpadded HF vocabulary unless stated)."""
+
+    embedding: int
+    """Input embedding, ``V*h``."""
+    attention: int
+    """Per layer: q (``h*h``), k and v (``h*kv*hd`` each), o (``h*h``), plus q/k/v biases."""
+    mlp: int
+    """Per layer: gate, up and down projections, ``3*h*ffn``."""
+    norms: int
+    """Per layer: input and pre-MLP RMSNorm (``2*h``), plus Qwen3's q/k norms (``2*hd``)."""
+    num_layers: int
+    final_norm: int
+    output_layer: int
+    """``V*h``; 0 when tied to the embedding."""
+
+    @property
+    def per_layer(self) -> int:
+        return self.attention + self.mlp + self.norms
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.num_layers * self.per_layer + self.final_norm + self.output_layer
+
+
+def _spec(hf_config: dict):
+    """The ``GPTSpec`` of an HF config dict; ValueError names an unsupported architecture/field."""
+    from megatron_stare.models.registry import family_for_config
+
+    return family_for_config(hf_config).spec_from_hf(hf_config)
+
+
+def _counts(spec, vocab: int, kv_heads: Optional[float] = None) -> ParamCounts:
+    h, hd = spec.hidden_size, spec.head_dim
+    q_dim = spec.num_attention_heads * hd
+    kv_dim = (spec.num_query_groups if kv_heads is None else kv_heads) * hd
+    bias = spec.add_qkv_bias
+    attention = h * q_dim + 2 * h * kv_dim + q_dim * h + ((q_dim + 2 * kv_dim) if bias else 0)
+    return ParamCounts(
+        embedding=vocab * h, attention=int(attention), mlp=3 * h * spec.ffn_hidden_size,
+        norms=2 * h + (2 * hd if spec.qk_layernorm else 0), num_layers=spec.num_layers,
+        final_norm=h, output_layer=0 if spec.tie_word_embeddings else vocab * h)
+
+
+def param_counts(hf_config: dict) -> ParamCounts:
+    """Parameter counts of an HF ``config.json`` dict (qwen2, llama, qwen3; tied or untied)."""
+    spec = _spec(hf_config)
+    return _counts(spec, spec.vocab_size)
+
+
+def layer_activation_bytes(s: int, h: int, heads: int, kv_dim: int, ffn: int, *, tp: int = 1,
+                           sequence_parallel: bool = False, gated: bool = True,
+                           flash_attention: bool = True, b: int = 1) -> float:
+    """Activation bytes one transformer layer saves for backward (bf16, no recompute).
+
+    Korthikanti et al. 2022, table 2, term by term (in units of ``s*b*h`` bytes): replicated
+    across TP unless sequence parallel: the attention and MLP inputs (2 + 2), their dropout
+    masks (1 + 1) and the two norms' inputs (4) = 10; split by TP: Q, K, V (2 + 4*kv_dim/h),
+    the attention output (2), the MLP's fc1 output and activation output (SwiGLU 6*ffn/h, GELU
+    4*ffn/h) and, without flash attention, softmax + dropout (5*a*s/h). GPT (kv_dim = h,
+    ffn = 4h, GELU, no flash, tp 1) gives Korthikanti's ``s*b*h*(34 + 5*a*s/h)``.
+    """
+    replicated = 10.0
+    split = 2.0 + 4.0 * kv_dim / h + 2.0 + (6.0 if gated else 4.0) * ffn / h
+    if not flash_attention:
+        split += 5.0 * heads * s / h
+    per_sbh = (replicated + split) / tp if sequence_parallel else replicated + split / tp
+    return float(s) * b * h * per_sbh
+
+
+@dataclass
+class PlanLayout:
+    """The parallel plan a run gets (trainer and rollout engine)."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    recompute: Optional[str]
+    layers_per_stage: int
+    micro_batch_tokens: int
+    """Tokens of one micro-batch before the CP split (at least one max-length sequence)."""
+    tokens_per_cp_rank: int
+    num_micro_batches: int
+    """Micro-batches per DP rank per optimizer step when every response has the maximum length."""
+    max_seq_len: int
+    engine: str
+    colocated: bool
+    engine_tp: int
+    engine_instances: int
+    sequences_per_instance: int
+    kv_bytes_per_token: float
+    """Per GPU of an engine instance."""
+    kv_needed_gib: float
+    """KV cache for all of an instance's sequences at full length, per GPU."""
+    kv_concurrent_sequences: int
+    """Full-length sequences the KV pool holds at once (per instance)."""
+
+
+#: (MemoryPlan field, label, the phases it is resident in).
+_STATE = PHASES  # trainer state stays resident in every phase
+_COMPONENTS = (
+    ("weights_gib", "weights (policy)", _STATE),
+    ("main_grads_gib", "main grads (fp32)", _STATE),
+    ("optimizer_gib", "optimizer (master + Adam m, v)", _STATE),
+    ("activations_gib", "activations", ("train",)),
+    ("logits_gib", "logits + log-prob buffer", ("train",)),
+    ("reference_gib", "reference model", _STATE),
+    ("engine_weights_gib", "engine weights", ("sync", "rollout")),
+    ("engine_kv_gib", "engine KV cache", ("rollout",)),
+    ("engine_workspace_gib", "engine workspace", ("rollout",)),
+    ("engine_asleep_gib", "engine while asleep", ("train",)),
+    ("sync_bucket_gib", "weight-sync bucket", ("sync",)),
+    ("runtime_gib", "runtime (context, NCCL, slack)", _STATE),
+)
+
+
+def _phase_totals(components: Dict[str, float]) -> Dict[str, float]:
+    return {q: sum(components[name] for name, _, where in _COMPONENTS if q in where) for q in PHASES}
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of the most-loaded pipeline stage, per phase, in GiB."""
+
+    layout: PlanLayout
+    params: ParamCounts
+    gpu_mem_gb: float
+    stage: int
+    """The most-loaded pipeline stage (the one these numbers are for)."""
+    weights_gib: float
+    main_grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    reference_gib: float
+    engine_weights_gib: float
+    engine_kv_gib: float
+    engine_workspace_gib: float
+    engine_asleep_gib: float
+    sync_bucket_gib: float
+    runtime_gib: float
+    phases: Dict[str, float]
+    """Total per phase: 'train', 'sync', 'rollout'."""
+    peak_gib: float
+    peak_phase: str
+    fits: bool
+    reasons: List[str] = field(default_factory=list)
+    """Why it does not fit (empty when it fits)."""
+    assumptions: Assumptions = field(default_factory=Assumptions)
+
+    def rows(self) -> List[tuple]:
+        """(label, {phase: GiB}) for each component, in table order."""
+        return [(label, {q: getattr(self, name) if q in where else 0.0 for q in PHASES})
+                for name, label, where in _COMPONENTS]
+
+    def format(self) -> str:
+        L, p = self.layout, self.params
+        n = lambda x: f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M"  # noqa: E731
+        on = lambda b: "on" if b else "off"  # noqa: E731
+        shard_over = f" (shards over dp*cp = {L.dp * L.cp})" if L.distributed_optimizer else ""
+        lines = [
+            f"Model: {n(p.total)} parameters: embedding {n(p.embedding)}, {p.num_layers} layers x "
+            f"{n(p.per_layer)}, output layer {n(p.output_layer) if p.output_layer else 'tied'}",
+            f"GPUs: {L.world_size} x {self.gpu_mem_gb:g} GiB",
+            "Parallel plan:",
+            f"  trainer  tp {L.tp} x pp {L.pp} x cp {L.cp} x dp {L.dp} = {L.world_size}; sequence "
+            f"parallel {on(L.sequence_parallel)}; distributed optimizer {on(L.distributed_optimizer)}"
+            f"{shard_over}; recompute {L.recompute or 'none'}",
+            f"  stages   {L.pp} x {L.layers_per_stage} layers (embedding on stage 0, output layer on "
+            f"stage {L.pp - 1})",
+            f"  batches  micro-batch {L.micro_batch_tokens} tokens ({L.tokens_per_cp_rank} per CP rank); "
+            f"up to {L.num_micro_batches} micro-batches per DP rank per optimizer step "
+            f"(max sequence {L.max_seq_len} tokens)",
+        ]
+        if L.colocated:
+            lines.append(
+                f"  rollout  {L.engine} colocated, engine tp {L.engine_tp} -> {L.engine_instances} "
+                f"instances x {L.sequences_per_instance} sequences; KV {L.kv_bytes_per_token / 1024:.1f} "
+                f"KiB/token/GPU; full batch needs {L.kv_needed_gib:.1f} GiB, the pool holds "
+                f"{L.kv_concurrent_sequences} full-length sequences at once")
+        else:
+            lines.append(f"  rollout  {L.engine} on separate GPUs (not counted here), "
+                         f"engine tp {L.engine_tp}")
+        lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
+                  f"  {'component':<32}{'train':>9}{'sync':>9}{'rollout':>9}"]
+        for label, per in self.rows():
+            if any(per.values()):
+                lines.append(f"  {label:<32}" + "".join(f"{per[q]:>9.2f}" for q in PHASES))
+        lines.append(f"  {'total':<32}" + "".join(f"{self.phases[q]:>9.2f}" for q in PHASES))
+        head = self.gpu_mem_gb - self.peak_gib
+        verdict = f"fits, {head:.1f} GiB headroom" if self.fits else "DOES NOT FIT"
+        lines += ["", f"Peak: {self.peak_gib:.1f} GiB ({self.peak_phase}) of "
+                      f"{self.gpu_mem_gb:g} GiB: {verdict}"]
+        lines += [f"  - {r}" for r in self.reasons]
+        a = self.assumptions
+        lines.append(f"Assumptions: {'flash' if a.flash_attention else 'unfused'} attention; logits "
+                     f"chunk {a.logits_chunk}; runtime {a.runtime_gib:g} GiB + {a.fragmentation:.0%} "
+                     f"slack; trainer state resident during rollout; see megatron_stare/plan.py")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- estimate
+
+def _stage_params(c: ParamCounts, pp: int, tp: int, stage: int) -> float:
+    """Parameters held by one TP rank of pipeline ``stage``."""
+    layers = c.num_layers // pp
+    split = layers * (c.attention + c.mlp)
+    replicated = layers * c.norms
+    if stage == 0:
+        split += c.embedding
+    if stage == pp - 1:
+        replicated += c.final_norm
+        # A tied embedding is a second copy on the last stage when the stages differ.
+        split += c.output_layer or (c.embedding if pp > 1 else 0)
+    return split / tp + replicated
+
+
+def _hint(label: str, cfg: Config, dp: int) -> str:
+    p, r = cfg.parallel, cfg.rollout
+    if label.startswith("optimizer") and not p.distributed_optimizer and dp * p.cp > 1:
+        return "set parallel.distributed_optimizer=true"
+    if label.startswith(("activations", "logits")):
+        return ("set parallel.recompute=full" if p.recompute != "full" else
+                "lower parallel.micro_batch_tokens or raise parallel.cp")
+    if label.startswith("engine"):
+        return "lower rollout.gpu_memory_utilization or raise rollout.tp"
+    return "raise parallel.tp/parallel.pp or use more GPUs"
+
+
+def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
+                    assumptions: Assumptions = Assumptions()) -> MemoryPlan:
+    """The per-GPU memory plan of ``cfg`` on ``world_size`` GPUs of ``gpu_mem_gb`` GiB each.
+
+    ``cfg`` should have passed ``check_for_gpus``; the model shape comes from ``hf_config``.
+    """
+    a = assumptions
+    spec = _spec(hf_config)
+    p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
+    tp, pp, cp = p.tp, p.pp, p.cp
+    if world_size % (tp * pp * cp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    dp = world_size // (tp * pp * cp)
+    h, hd, L = spec.hidden_size, spec.head_dim, spec.num_layers
+    vocab_p = math.ceil(spec.vocab_size / (cfg.model.make_vocab_size_divisible_by * tp)) * (
+        cfg.model.make_vocab_size_divisible_by * tp)
+    counts = _counts(spec, vocab_p)
+    wbytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    opt_bytes = 12 if wbytes == 2 else 8  # fp32 master copy only for a bf16 model
+    opt_shards = dp * cp if p.distributed_optimizer else 1
+
+    # Batches: a sequence is never split across micro-batches, only across CP ranks.
+    max_seq = cfg.data.max_prompt_length + r.max_new_tokens
+    mb_tokens = max(p.micro_batch_tokens, max_seq)
+    s_local = math.ceil(mb_tokens / cp)
+    responses = t.prompts_per_step // t.mini_batches_per_step * r.n
+    per_micro = max(1, p.micro_batch_tokens // max_seq)
+    n_micro = math.ceil(math.ceil(responses / dp) / per_micro)
+
+    kv_dim = spec.num_query_groups * hd
+    layer_full = layer_activation_bytes(
+        s_local, h, spec.num_attention_heads, kv_dim, spec.ffn_hidden_size, tp=tp,
+        sequence_parallel=p.sequence_parallel,
+        flash_attention=a.flash_attention or p.recompute == "selective")
+    layer_input = 2.0 * s_local * h / (tp if p.sequence_parallel else 1)
+
+    # Engine.
+    colocated = r.engine in COLOCATED_ENGINES or r.engine == "hf"
+    etp = 1 if r.engine == "hf" else r.tp
+    instances = world_size // etp if colocated else 0
+    seqs = math.ceil(t.prompts_per_step * r.n / instances) if instances else 0
+    kv_local = spec.num_query_groups / etp if r.engine != "hf" else spec.num_query_groups
+    kv_local = max(kv_local, 1.0)
+    kv_elem = 2 if r.engine != "hf" else wbytes
+    kv_per_token = 2.0 * L * kv_local * hd * kv_elem
+    kv_needed = seqs * max_seq * kv_per_token / GiB
+    eng_w = eng_kv = eng_ws = eng_sleep = 0.0
+    if r.engine in COLOCATED_ENGINES:
+        ec = _counts(spec, math.ceil(spec.vocab_size / etp) * etp, kv_heads=kv_local * etp)
+        eng_w = 2 * ((ec.embedding + ec.output_layer + L * (ec.attention + ec.mlp)) / etp
+                     + L * ec.norms + ec.final_norm) / GiB
+        eng_ws, eng_sleep = a.engine_workspace_gib, a.engine_asleep_gib
+        eng_kv = max(r.gpu_memory_utilization * gpu_mem_gb - eng_w - eng_ws, 0.0)
+    elif r.engine == "hf":  # no sleep mode: its copy stays while the trainer trains
+        eng_w = eng_sleep = counts.total * wbytes / GiB
+        eng_kv = kv_needed
+    concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
+
+    shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
+                  engine_asleep_gib=eng_sleep, sync_bucket_gib=r.sync_bucket_mb / 1024 if colocated else 0.0,
+                  runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+    stages = {}
+    for stage in sorted({0, pp - 1}):  # middle stages hold no more than either end
+        n_params = _stage_params(counts, pp, tp, stage)
+        in_flight = min(pp - stage, n_micro)  # 1F1B: stage i holds pp - i micro-batches
+        if p.recompute == "full":
+            act = in_flight * (L // pp) * layer_input + layer_full
+        else:
+            act = in_flight * (L // pp) * layer_full
+        logits = 0.0
+        if stage == pp - 1:
+            v_local = vocab_p // tp
+            logits = s_local * v_local * (2 + 2) + min(a.logits_chunk, s_local) * v_local * 4
+        weights = n_params * wbytes / GiB
+        stages[stage] = dict(
+            weights_gib=weights, main_grads_gib=n_params * 4 / GiB,
+            optimizer_gib=n_params * opt_bytes / opt_shards / GiB,
+            activations_gib=act / GiB, logits_gib=logits / GiB,
+            reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
+    stage = max(stages, key=lambda i: max(_phase_totals(stages[i]).values()))
+    phases = _phase_totals(stages[stage])
+    peak_phase = max(PHASES, key=phases.get)
+    layout = PlanLayout(
+        world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=p.sequence_parallel,
+        distributed_optimizer=p.distributed_optimizer, recompute=p.recompute,
+        layers_per_stage=L // pp, micro_batch_tokens=mb_tokens, tokens_per_cp_rank=s_local,
+        num_micro_batches=n_micro, max_seq_len=max_seq, engine=r.engine, colocated=colocated,
+        engine_tp=etp, engine_instances=instances, sequences_per_instance=seqs,
+        kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent)
+    plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
+                      stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
+                      fits=True, assumptions=a, **stages[stage])
+
+    if plan.peak_gib > gpu_mem_gb:
+        label, per = max(plan.rows(), key=lambda row: row[1][plan.peak_phase])
+        plan.reasons.append(
+            f"the {plan.peak_phase} phase needs {plan.peak_gib:.1f} GiB on pipeline stage {plan.stage}, "
+            f"more than the {gpu_mem_gb:g} GiB of a GPU; largest part: {label} "
+            f"{per[plan.peak_phase]:.1f} GiB ({_hint(label, cfg, dp)})")
+    if r.engine in COLOCATED_ENGINES:
+        budget = r.gpu_memory_utilization * gpu_mem_gb
+        one_seq = max_seq * kv_per_token / GiB
+        if eng_kv < one_seq:
+            plan.reasons.append(
+                f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} gives the engine "
+                f"{budget:.1f} GiB, which after its weights ({eng_w:.1f} GiB) and workspace holds "
+                f"less than one {max_seq}-token sequence's KV cache ({one_seq:.2f} GiB); raise "
+                f"rollout.gpu_memory_utilization or rollout.tp")
+    plan.fits = not plan.reasons
+    return plan
+
+
+# ----------------------------------------------------------------------------- command line
+
+def load_hf_config(path: str) -> dict:
+    """An HF ``config.json`` (file or the directory holding it) as a dict; ConfigError if unreadable."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"HF config not found: {path}; pass --hf-config path/to/config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def check_for_gpus(cfg: Config, hf_config: dict, world_size: int) -> Config:
+    """``validate_config`` for a GPU run, plus the checks that need the model's shape."""
+    from megatron_stare.parallel import LayoutError, ModelShape, ParallelLayout
+
+    validate_config(cfg, world_size=world_size, cuda=True, check_paths=False)
+    try:
+        spec = _spec(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    p = cfg.parallel
+    shape = ModelShape(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                       num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
+                       hidden_size=spec.hidden_size)
+    try:
+        ParallelLayout.from_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp).validate(shape=shape, cuda=True)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    r = cfg.rollout
+    if r.engine in COLOCATED_ENGINES:
+        if world_size % r.tp:
+            raise ConfigError(f"rollout.tp={r.tp} does not divide the world size {world_size}; a "
+                              f"colocated engine runs its TP groups inside the trainer's ranks")
+        if spec.num_attention_heads % r.tp:
+            raise ConfigError(f"rollout.tp={r.tp} does not divide the {spec.num_attention_heads} "
+                              f"attention heads; choose a divisor of the head count")
+    max_seq = cfg.data.max_prompt_length + r.max_new_tokens
+    if max_seq > spec.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the "
+                          f"model's max_position_embeddings {spec.max_position_embeddings}; shorten them")
+    return cfg
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.plan",
+                                 description="Print the parallel plan and per-GPU memory estimate of a run.")
+    ap.add_argument("--config", required=True, help="YAML config file")
+    ap.add_argument("--world-size", type=int, required=True, help="number of GPUs (nodes x GPUs per node)")
+    ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU (GiB)")
+    ap.add_argument("--hf-config", default=None,
+                    help="HF config.json of the model (default: model.path/config.json)")
+    ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
+    args = ap.parse_args(argv)
+    try:
+        if args.world_size < 1 or args.gpu_mem_gb <= 0:
+            raise ConfigError("--world-size must be >= 1 and --gpu-mem-gb > 0")
+        cfg = load_config(args.config, args.overrides)
+        hf_path = args.hf_config or cfg.model.path
+        if hf_path is None:
+            raise ConfigError("no HF config: pass --hf-config path/to/config.json or set model.path")
+        hf_config = load_hf_config(hf_path)
+        check_for_gpus(cfg, hf_config, args.world_size)
+        plan = estimate_memory(cfg, hf_config, args.world_size, args.gpu_mem_gb)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    return 0 if plan.fits else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

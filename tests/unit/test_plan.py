@@ -1,0 +1,143 @@
+"""The dry-run planner: parameter counts and memory components against hand-computed values."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_stare.config import load_config
+from megatron_stare.plan import (GiB, estimate_memory, layer_activation_bytes, main,
+                                 param_counts)
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN32 = ROOT / "examples" / "configs" / "qwen2.5-32b.json"
+QWEN7 = ROOT / "examples" / "configs" / "qwen2.5-7b.json"
+YAML32 = ROOT / "examples" / "qwen2.5_32b_longcot.yaml"
+YAML7 = ROOT / "examples" / "qwen2.5_7b_shortcot.yaml"
+
+
+def _hand_total(V, h, layers, heads, kv, ffn, tied=False):
+    hd = h // heads
+    q = h * h + h
+    k = v = h * (kv * hd) + kv * hd
+    o = h * h
+    layer = q + k + v + o + 3 * h * ffn + 2 * h
+    return V * h + layers * layer + h + (0 if tied else V * h)
+
+
+def test_param_counts_qwen25_32b():
+    c = param_counts(json.loads(QWEN32.read_text()))
+    expected = _hand_total(V=152064, h=5120, layers=64, heads=40, kv=8, ffn=27648)
+    assert c.total == expected == 32_763_876_352
+    assert c.embedding == c.output_layer == 152064 * 5120
+    assert c.attention == (5120 * 5120 + 5120) + 2 * (5120 * 1024 + 1024) + 5120 * 5120
+    assert c.mlp == 3 * 5120 * 27648 and c.norms == 2 * 5120 and c.final_norm == 5120
+
+
+def test_param_counts_qwen25_7b():
+    c = param_counts(json.loads(QWEN7.read_text()))
+    expected = _hand_total(V=152064, h=3584, layers=28, heads=28, kv=4, ffn=18944)
+    assert c.total == expected == 7_615_616_512
+
+
+def test_param_counts_tied_and_qwen3_norms():
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True}
+    c = param_counts(base)
+    q_dim, kv_dim = 4 * 32, 2 * 32
+    assert c.output_layer == 0
+    assert c.attention == 64 * q_dim + 2 * 64 * kv_dim + q_dim * 64  # no biases
+    assert c.norms == 2 * 64 + 2 * 32  # q/k norms over the head dim
+    assert c.total == 1000 * 64 + 2 * (c.attention + c.mlp + c.norms) + 64
+
+
+def test_activation_formula_reduces_to_korthikanti():
+    s, h, a, t = 2048, 1024, 16, 4
+    gpt = dict(kv_dim=h, ffn=4 * h, gated=False, flash_attention=False)
+    korth = s * h * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(s, h, a, **gpt) == pytest.approx(korth)
+    assert layer_activation_bytes(s, h, a, tp=t, sequence_parallel=True, **gpt) == pytest.approx(korth / t)
+    assert layer_activation_bytes(s, h, a, tp=t, **gpt) == pytest.approx(
+        s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    # Flash attention drops the quadratic term; SwiGLU with ffn = 4h keeps 6*ffn/h.
+    assert layer_activation_bytes(s, h, a, h, 4 * h) == pytest.approx(s * h * (10 + 8 + 24))
+
+
+def test_memory_components_32b_by_hand():
+    cfg = load_config(str(YAML32))
+    plan = estimate_memory(cfg, json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    L = plan.layout
+    assert (L.tp, L.pp, L.cp, L.dp, L.layers_per_stage) == (8, 2, 2, 1, 32)
+    assert (L.engine_instances, L.sequences_per_instance) == (4, 128)
+    assert L.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2 / 8
+    # The last stage holds 32 layers, the final norm and the padded output layer (152576 rows).
+    c = param_counts(json.loads(QWEN32.read_text()))
+    n = 32 * (c.attention + c.mlp) / 8 + 32 * c.norms + 5120 + 152576 * 5120 / 8
+    assert plan.stage == 1
+    assert plan.weights_gib == pytest.approx(2 * n / GiB)
+    assert plan.main_grads_gib == pytest.approx(4 * n / GiB)
+    assert plan.optimizer_gib == pytest.approx(12 * n / 2 / GiB)  # sharded over dp*cp = 2
+    s = 24576 // 2
+    act = 1 * 32 * 2 * s * 5120 / 8 + s * 5120 * (10 + 2 + 4 * 1024 / 5120 + 2 + 6 * 27648 / 5120) / 8
+    assert plan.activations_gib == pytest.approx(act / GiB)
+    assert plan.logits_gib == pytest.approx((s * 19072 * 4 + 1024 * 19072 * 4) / GiB)
+    assert plan.reference_gib == 0.0
+    engine = plan.engine_kv_gib + plan.engine_weights_gib + plan.engine_workspace_gib
+    assert engine == pytest.approx(0.55 * 80)  # vLLM reserves its whole budget
+    assert plan.peak_gib == max(plan.phases.values()) and plan.fits
+
+
+def test_recompute_optimizer_and_kl_change_the_right_parts():
+    hf = json.loads(QWEN7.read_text())
+    base = estimate_memory(load_config(str(YAML7)), hf, 8, 80)
+    none = estimate_memory(load_config(str(YAML7), ["parallel.recompute=null"]), hf, 8, 80)
+    assert none.activations_gib > 5 * base.activations_gib
+    plain = estimate_memory(load_config(str(YAML7), ["parallel.distributed_optimizer=false"]), hf, 8, 80)
+    assert plain.optimizer_gib == pytest.approx(base.optimizer_gib * 4)  # dp 4
+    kl = estimate_memory(load_config(str(YAML7), ["algorithm.kl_loss_coef=0.001"]), hf, 8, 80)
+    assert kl.reference_gib == pytest.approx(base.weights_gib)
+    assert kl.phases["train"] == pytest.approx(base.phases["train"] + base.weights_gib)
+
+
+def test_tied_embedding_is_copied_to_the_last_stage():
+    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 1024, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+    cfg = load_config(None, ["parallel.pp=2", "rollout.engine=vllm_server", "model.dtype=bfloat16"])
+    plan = estimate_memory(cfg, hf, 2, 80)
+    c = param_counts(hf)
+    assert plan.weights_gib == pytest.approx(2 * (2 * c.per_layer + 64 + 1024 * 64) / GiB)
+    assert plan.engine_weights_gib == 0 and not plan.layout.colocated
+
+
+def _run(capsys, args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_main_exit_codes(capsys):
+    rc, out, _ = _run(capsys, ["--config", YAML32, "--world-size", 32, "--hf-config", QWEN32])
+    assert rc == 0 and "fits" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
+    rc, out, _ = _run(capsys, ["--config", YAML32, "--world-size", 8, "--gpu-mem-gb", 24,
+                               "--hf-config", QWEN32, "parallel.pp=1", "parallel.cp=1",
+                               "parallel.distributed_optimizer=false"])
+    assert rc == 3 and "DOES NOT FIT" in out and "more than the 24 GiB" in out
+    for bad, needle in [
+        (["--world-size", 8], "not divisible by tp*pp*cp"),
+        (["--world-size", 32, "parallel.tpp=8"], "did you mean 'parallel.tp'"),
+        (["--world-size", 32, "rollout.max_new_tokens=200000"], "max_position_embeddings"),
+        (["--world-size", 32, "rollout.tp=16"], "rollout.tp=16"),
+    ]:
+        rc, out, err = _run(capsys, ["--config", YAML32, "--hf-config", QWEN32] + bad)
+        assert rc == 2 and out == "" and needle in err, (bad, err)
+        assert err.count("\n") == 1 and err.startswith("error: config: ")
+    rc, _, err = _run(capsys, ["--config", YAML32, "--world-size", 32, "model.path=/nonexistent"])
+    assert rc == 2 and "HF config not found" in err
+
+
+def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
+    rc, out, _ = _run(capsys, ["--config", YAML32, "--world-size", 32, "--hf-config", QWEN32,
+                               "rollout.gpu_memory_utilization=0.12"])
+    assert rc == 3 and "less than one 22528-token sequence" in out

@@ -28,7 +28,8 @@ from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, bu
 from megatron_stare.algorithms.stare import StareState
 from megatron_stare.batching import plan_rank_batches
 from megatron_stare.config import OptimizerConfig, ParallelConfig
-from megatron_stare.models.gpt import GPTSpec, build_gpt_stage, transformer_config
+from megatron_stare.models.gpt import GPTSpec
+from megatron_stare.models.provider import build_model_stage
 from megatron_stare.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample, cat_padded
@@ -89,16 +90,12 @@ class MegatronActor:
         self.spec, self.groups, self.s = spec, groups, settings
         lay = groups.layout
         p = settings.parallel
-        self.config = transformer_config(spec, lay.tp, lay.pp, dtype=settings.dtype,
-                                         sequence_parallel=p.sequence_parallel, recompute=p.recompute)
-        stage = build_gpt_stage(spec, self.config, pre_process=groups.is_first_stage,
-                                post_process=groups.is_last_stage, tp=lay.tp)
+        stage, self.config = build_model_stage(spec, groups, dtype=settings.dtype, recompute=p.recompute)
         load_weights(stage, groups)
         self.loss_fn = build_policy_loss(settings.algorithm)
         self.ref = None
         if load_ref_weights is not None:
-            self.ref = build_gpt_stage(spec, self.config, pre_process=groups.is_first_stage,
-                                       post_process=groups.is_last_stage, tp=lay.tp)
+            self.ref, _ = build_model_stage(spec, groups, dtype=settings.dtype)
             load_ref_weights(self.ref, groups)
             self.ref.requires_grad_(False)
         if not trainable:

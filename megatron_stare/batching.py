@@ -88,6 +88,7 @@ def collate(samples: Sequence[Sample], with_engine_logp: bool = False) -> MicroB
         token_keys=pad_stack(keys, width),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
     )
     if with_engine_logp:
         if any(s.engine_logprobs is None or len(s.engine_logprobs) != len(s.response_ids) for s in samples):

@@ -54,6 +54,8 @@ class MicroBatch:
     """``[B]`` trajectory advantages."""
     sample_ids: Tensor
     """``[B]`` int64."""
+    group_ids: Optional[Tensor] = None
+    """``[B]`` int64 prompt-group index within the step (GEPO's groups)."""
     engine_logp: Optional[Tensor] = None
     # Filled by the log-prob pass:
     old_logp: Optional[Tensor] = None

@@ -25,6 +25,9 @@ measured in ``shared/docs/cpu-recipe.md``:
 5. ``torch.cuda.synchronize`` (called after pipeline p2p) becomes a no-op.
 6. ``torch.cuda.current_stream`` / ``default_stream`` / ``Stream`` (newer DDP) return a
    do-nothing stream object.
+7. ``Tensor.cuda()`` returns the tensor itself: megatron-core calls ``weight.data.cuda()`` when
+   it ties the embedding of the first and last pipeline stage
+   (``LanguageModule.setup_embeddings_and_output_layer``); on CPU "the current device" is CPU.
 
 Not covered, because they are GPU-only paths by design: sequence parallel, the distributed
 optimizer, the bf16/fp16 mixed-precision optimizer and context parallel.
@@ -204,6 +207,10 @@ def _patch_streams() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
+def _patch_tensor_cuda() -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
 def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -253,6 +260,7 @@ PATCHES = {
     "clip_grads": _patch_clip_grads,
     "synchronize": _patch_synchronize,
     "streams": _patch_streams,
+    "tensor_cuda": _patch_tensor_cuda,
 }
 
 

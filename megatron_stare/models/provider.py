@@ -10,7 +10,6 @@ mapping; ``sharding.load_canonical`` turns canonical tensors into this rank's sh
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Tuple, Union
@@ -70,29 +69,9 @@ def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dty
     lay.validate(shape=model_shape(spec))
     cfg = transformer_config(spec, lay.tp, lay.pp, dtype=dtype,
                              sequence_parallel=lay.sequence_parallel, **config_overrides)
-    with _tensor_cuda_is_identity_on_cpu():
-        model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
-                                post_process=groups.is_last_stage, tp=lay.tp, use_te=use_te)
+    model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
+                            post_process=groups.is_last_stage, tp=lay.tp, use_te=use_te)
     return model.to(groups.device), cfg
-
-
-@contextlib.contextmanager
-def _tensor_cuda_is_identity_on_cpu():
-    """Without CUDA, make ``Tensor.cuda()`` return the tensor itself while a stage is built.
-
-    megatron-core 0.16 calls ``weight.data.cuda()`` when it syncs tied embeddings between the
-    first and last pipeline stage (``LanguageModule.setup_embeddings_and_output_layer``);
-    this belongs in ``compat/cpu.py`` and is kept local to model construction until then.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    orig = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = orig
 
 
 def _reader(source: HFSource) -> Tuple[Callable[[str], torch.Tensor], dict, str]:

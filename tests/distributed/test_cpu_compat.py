@@ -91,3 +91,26 @@ def test_rng_tracker_fork_semantics():
     assert untouched and after, "forking changed the default CPU generator"
     assert not repeated, "the named state did not advance between forks"
     assert torch.equal(a, again), "the named state is not reproducible from the seed"
+
+
+def _tied_pp2(rank, world, skip):
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        import dataclasses
+
+        from megatron_stare.models.provider import build_model_stage
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.testing.megatron_tiny import TINY_SPEC
+
+        groups = init_distributed(ParallelLayout.from_world(world, pp=2))
+        build_model_stage(dataclasses.replace(TINY_SPEC, tie_word_embeddings=True), groups)
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def test_tensor_cuda_patch_is_needed_for_tied_embeddings_across_stages():
+    assert any(r != "ok" for r in run_on_ranks(_tied_pp2, 2, ("tensor_cuda",)))
+    assert run_on_ranks(_tied_pp2, 2, ()) == ["ok", "ok"]

@@ -1,0 +1,340 @@
+"""RL training entry point: ``python -m megatron_stare.train --config X.yaml [a.b=c ...]``.
+
+Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare.train ...``);
+a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
+parallel plan and a per-GPU memory estimate without touching a GPU.
+
+One step reads like the algorithm:
+
+    prompts  -> rollout (n per prompt)            driver rank's engine
+             -> rewards -> advantages             reward pool; DAPO dynamic sampling
+             -> log-prob pass                      Megatron actor, every rank
+             -> STARE controller                   global token-mean entropy
+             -> update                             registered policy loss, Megatron optimizer
+             -> weight sync                        Megatron shards -> HF buckets -> engine
+             -> metrics, eval, checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_stare.config import Config, ConfigError, load_config, validate_config
+
+DRIVER = 0  # the rank that owns the rollout engine, the reward pool and the logs
+
+
+class Trainer:
+    """Builds every part from the config, then ``fit()`` runs the steps."""
+
+    def __init__(self, cfg: Config):
+        from megatron_stare.actor import ActorSettings, MegatronActor
+        from megatron_stare.algorithms.gepo import GepoShaper
+        from megatron_stare.algorithms.stare import StareController
+        from megatron_stare.metrics import MetricsLogger, Timer
+        from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+
+        from megatron_stare.rewards import get_reward_fn
+
+        self.cfg = cfg
+        p, m = cfg.parallel, cfg.model
+        get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
+        hf_dir = self._hf_dir()
+        self.spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
+                                           sequence_parallel=p.sequence_parallel,
+                                           distributed_optimizer=p.distributed_optimizer)
+        self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.spec))
+        self.rank = dist.get_rank()
+        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
+        settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
+                                 temperature=cfg.rollout.temperature, dtype=dtype,
+                                 total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
+                                 * cfg.trainer.ppo_epochs, tis_cap=None)
+        ref_dir = m.ref_path or hf_dir
+        load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.spec, ref_dir))
+                    if cfg.algorithm.kl_loss_coef > 0 else None)
+        self.actor = MegatronActor(self.spec, self.groups, settings,
+                                   lambda stage, g: load_hf_weights(stage, g, self.spec, hf_dir),
+                                   load_ref_weights=load_ref)
+        self.controller = StareController(cfg.algorithm.stare)
+        self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
+        self.tokenizer = self._tokenizer(hf_dir)
+        self.train_set, self.eval_set, self.sampler = self._data()
+        self.timer = Timer(cuda_sync=torch.cuda.is_available())
+        self.engine = self.pool = None
+        if self.rank == DRIVER:
+            from megatron_stare.rewards import RewardPool
+            from megatron_stare.rollout.base import build_engine
+
+            self.pool = RewardPool(cfg.reward)
+            self.engine = build_engine(cfg.rollout.engine, hf_dir, **self._engine_kwargs())
+        self.start_step, self.skipped = 0, 0
+        self._resume()
+        self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
+                                    start_step=self.start_step + 1)  # steps are logged 1-based
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
+        fault = int(os.environ.get("MEGATRON_STARE_FAULT_AT_STEP", "-1"))
+        for step in range(self.start_step, self.cfg.trainer.total_steps):
+            if step == fault:
+                os._exit(137)  # fault injection for the resume tests: die like a SIGKILL
+            self.step(step)
+        self.close()
+
+    def step(self, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        with self.timer("rollout"):
+            samples, rollout_metrics = self.rollout(step)
+        with self.timer("logprob"):
+            batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
+            stats = self.actor.compute_logprobs(batches)
+            if self.gepo is not None:
+                self._shape_gepo(batches, len({s.group_id for s in samples}))
+        state = self.controller.update(stats.entropy)
+        with self.timer("update"):
+            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
+        self.skipped += result.skipped_steps
+        with self.timer("sync"):
+            self.sync_weights()
+        metrics = {**rollout_metrics, **result.metrics,
+                   "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
+                   "stare/entropy": stats.entropy, "stare/gate": float(state.gate_on),
+                   "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
+        if stats.mismatch_mean is not None:
+            metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
+                            "mismatch/max_abs_logp": stats.mismatch_max})
+        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
+            with self.timer("eval"):
+                metrics.update(self.evaluate(step))
+        metrics.update(self.timer.metrics())
+        metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
+        self.logger.log(step + 1, metrics)
+        c = cfg.checkpoint
+        last = step + 1 == cfg.trainer.total_steps
+        if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last):
+            self.save(step + 1)
+        if c.hf_export_every and (step + 1) % c.hf_export_every == 0:
+            self.export_hf(step + 1)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, step: int):
+        """Driver generates and scores; every rank receives the same samples."""
+        from megatron_stare.generation import as_metrics, collect_samples
+
+        prompts = self.train_set.batch(self.sampler.next_batch())
+        payload = [None]
+        if self.rank == DRIVER:
+            samples, stats = collect_samples(
+                self.engine, prompts, lambda: self.train_set.batch(self.sampler.next_batch()),
+                self.tokenizer, self.pool, self.cfg, seed=self.cfg.trainer.seed * 100_003 + step)
+            payload = [(samples, as_metrics(stats), self.sampler.state_dict())]
+        dist.broadcast_object_list(payload, src=DRIVER)
+        samples, metrics, sampler_state = payload[0]
+        self.sampler.load_state_dict(sampler_state)  # dynamic sampling may have drawn more
+        if not samples:
+            raise RuntimeError(f"step {step}: no informative prompt groups after "
+                               f"{self.cfg.trainer.max_gen_batches} generation batches")
+        return samples, metrics
+
+    def _shape_gepo(self, batches, num_groups: int) -> None:
+        from megatron_stare.algorithms.gepo import group_token_mean
+        from megatron_stare.types import cat_padded
+
+        flat = [mb for mini in batches for mb in mini]
+        gid = torch.cat([mb.group_ids for mb in flat])
+        ent = group_token_mean(cat_padded([mb.entropy for mb in flat]),
+                               cat_padded([mb.loss_mask for mb in flat], False), gid, num_groups,
+                               dp_group=self.groups.dp_cp_group)
+        out = self.gepo(torch.cat([mb.advantages for mb in flat]).double(), ent, gid)
+        adv = out.advantages.float()
+        offset = 0
+        for mb in flat:
+            mb.advantages = adv[offset: offset + mb.advantages.numel()]
+            offset += mb.advantages.numel()
+
+    def sync_weights(self) -> None:
+        """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
+        from megatron_stare.models.export import iter_hf_buckets
+
+        buckets = iter_hf_buckets(self.actor.model, self.groups, self.spec,
+                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
+        if self.rank != DRIVER:
+            for _ in buckets:
+                pass
+            return
+        if not self.cfg.rollout.verify_sync:
+            self.engine.update_weights_from_buckets(buckets)
+            return
+        from megatron_stare.weight_sync.plan import compare_checksums, tensor_checksum
+
+        expected = {}
+
+        def watched():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    expected[name] = tensor_checksum(tensor)
+                yield bucket
+
+        self.engine.update_weights_from_buckets(watched())
+        compare_checksums(expected, self.engine.checksum(sorted(expected)))
+
+    def evaluate(self, step: int) -> dict:
+        from megatron_stare.generation import evaluate
+
+        out = [None]
+        if self.rank == DRIVER:
+            out = [evaluate(self.engine, list(self.eval_set), self.tokenizer, self.pool, self.cfg,
+                            seed=self.cfg.trainer.seed * 7919 + step)]
+        dist.broadcast_object_list(out, src=DRIVER)
+        return out[0]
+
+    # ------------------------------------------------------------------ state
+    def trainer_state(self, step: int) -> dict:
+        return {"step": step, "sampler": self.sampler.state_dict(), "controller": self.controller.state_dict(),
+                "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
+
+    def save(self, step: int) -> None:
+        from megatron_stare.checkpoint import save_checkpoint
+        from megatron_stare.models.provider import load_hf_config
+
+        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.spec,
+                        trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+                        hf_config=load_hf_config(self._hf_dir()))
+
+    def _resume(self) -> None:
+        from megatron_stare.checkpoint import latest_complete, load_checkpoint
+
+        c = self.cfg.checkpoint
+        if c.resume == "never" or (c.resume == "auto" and not c.dir):
+            return
+        path = latest_complete(c.dir) if c.resume == "auto" else Path(c.resume)
+        if path is None:
+            return
+        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec)
+        self.start_step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.controller.load_state_dict(state["controller"])
+        if self.gepo is not None and state.get("gepo"):
+            self.gepo.load_state_dict(state["gepo"])
+        self.skipped = int(state.get("skipped_steps", 0))
+        if self.rank == DRIVER:
+            print(f"[megatron-stare] resumed from {path} at step {self.start_step}", flush=True)
+
+    def export_hf(self, step: int) -> None:
+        """Write the current policy as an HF checkpoint (safetensors + config + tokenizer)."""
+        import shutil
+
+        from megatron_stare.models.export import iter_hf_buckets
+        from megatron_stare.models.hf_io import HFShardWriter
+
+        out = Path(self.cfg.checkpoint.dir).absolute() / f"hf_step_{step:08d}"
+        tmp = out.parent / f".{out.name}.partial"
+        writer = None
+        if self.rank == DRIVER:
+            shutil.rmtree(tmp, ignore_errors=True)
+            writer = HFShardWriter(tmp)
+        for bucket in iter_hf_buckets(self.actor.model, self.groups, self.spec,
+                                      self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER):
+            writer.write(bucket)
+        if writer is not None:
+            writer.finish()
+            for f in Path(self._hf_dir()).iterdir():
+                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and \
+                        f.name != "model.safetensors.index.json":
+                    shutil.copyfile(f, tmp / f.name)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _hf_dir(self) -> str:
+        m = self.cfg.model
+        if m.format == "megatron":
+            raise ConfigError("model.format=megatron: start from an HF directory and use checkpoint.resume "
+                              "for Megatron checkpoints")
+        return m.path
+
+    def _tokenizer(self, hf_dir: str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(hf_dir)
+
+    def _data(self):
+        from megatron_stare.data import PromptSampler, load_prompts
+
+        d, t = self.cfg.data, self.cfg.trainer
+        train = load_prompts(d.train_path, d, self.tokenizer)
+        ev = load_prompts(d.eval_path, d, self.tokenizer) if d.eval_path else None
+        sampler = PromptSampler(len(train), t.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
+        return train, ev, sampler
+
+    def _engine_kwargs(self) -> dict:
+        r = self.cfg.rollout
+        if r.engine == "hf":
+            return {"dtype": torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32}
+        max_len = self.cfg.data.max_prompt_length + r.max_new_tokens
+        if r.engine == "vllm":
+            return {"seed": self.cfg.trainer.seed, "max_model_len": max_len, "tensor_parallel_size": r.tp,
+                    "dtype": self.cfg.model.dtype, "record_checksums": r.verify_sync}
+        return {"max_model_len": max_len}
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="YAML config (see examples/)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the config, print the parallel plan and memory estimate, exit")
+    ap.add_argument("--world-size", type=int, default=None, help="world size for --dry-run")
+    ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for --dry-run")
+    ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        from megatron_stare import plan
+
+        extra = ["--world-size", str(args.world_size or int(os.environ.get("WORLD_SIZE", "1"))),
+                 "--gpu-mem-gb", str(args.gpu_mem_gb)]
+        return plan.main(["--config", args.config, *extra, *args.overrides])
+    try:
+        cfg = validate_config(load_config(args.config, args.overrides),
+                              world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        Trainer(cfg).fit()
+    except ValueError as e:
+        # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
+        # detected identically on every rank before any collective: one line from rank 0.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

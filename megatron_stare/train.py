@@ -72,8 +72,13 @@ class Trainer:
         self.tokenizer = self._tokenizer(hf_dir)
         self.train_set, self.eval_set, self.sampler = self._data()
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
+        # A colocated engine (vllm, sglang) has a shard on every rank (vLLM's external_launcher:
+        # it joins the trainer's processes, its TP may differ from the trainer's); every rank
+        # then generates in lockstep and the driver's samples are the ones broadcast. Server
+        # engines and the embedded hf engine live on the driver only.
+        self.colocated = cfg.rollout.engine in ("vllm", "sglang")
         self.engine = self.pool = None
-        if self.rank == DRIVER:
+        if self.colocated or self.rank == DRIVER:
             from megatron_stare.rewards import RewardPool
             from megatron_stare.rollout.base import build_engine
 
@@ -137,11 +142,13 @@ class Trainer:
 
         prompts = self.train_set.batch(self.sampler.next_batch())
         payload = [None]
-        if self.rank == DRIVER:
+        if self.engine is not None:
             samples, stats = collect_samples(
                 self.engine, prompts, lambda: self.train_set.batch(self.sampler.next_batch()),
                 self.tokenizer, self.pool, self.cfg, seed=self.cfg.trainer.seed * 100_003 + step)
             payload = [(samples, as_metrics(stats), self.sampler.state_dict())]
+            if self.rank != DRIVER:
+                payload = [None]
         dist.broadcast_object_list(payload, src=DRIVER)
         samples, metrics, sampler_state = payload[0]
         self.sampler.load_state_dict(sampler_state)  # dynamic sampling may have drawn more
@@ -171,8 +178,9 @@ class Trainer:
         from megatron_stare.models.export import iter_hf_buckets
 
         buckets = iter_hf_buckets(self.actor.model, self.groups, self.spec,
-                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
-        if self.rank != DRIVER:
+                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
+                                  dst="all" if self.colocated else DRIVER)
+        if self.engine is None:
             for _ in buckets:
                 pass
             return
@@ -196,9 +204,11 @@ class Trainer:
         from megatron_stare.generation import evaluate
 
         out = [None]
-        if self.rank == DRIVER:
+        if self.engine is not None:
             out = [evaluate(self.engine, list(self.eval_set), self.tokenizer, self.pool, self.cfg,
                             seed=self.cfg.trainer.seed * 7919 + step)]
+            if self.rank != DRIVER:
+                out = [None]
         dist.broadcast_object_list(out, src=DRIVER)
         return out[0]
 
@@ -288,8 +298,11 @@ class Trainer:
             return {"dtype": torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32}
         max_len = self.cfg.data.max_prompt_length + r.max_new_tokens
         if r.engine == "vllm":
+            world = dist.get_world_size()
+            dp = {"data_parallel_size": world // r.tp} if world > r.tp else {}
             return {"seed": self.cfg.trainer.seed, "max_model_len": max_len, "tensor_parallel_size": r.tp,
-                    "dtype": self.cfg.model.dtype, "record_checksums": r.verify_sync}
+                    "distributed_executor_backend": "external_launcher", "dtype": self.cfg.model.dtype,
+                    "record_checksums": r.verify_sync, **dp}
         return {"max_model_len": max_len}
 
     def close(self) -> None:

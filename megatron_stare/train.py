@@ -124,7 +124,8 @@ class Trainer:
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             with self.timer("eval"):
                 metrics.update(self.evaluate(step))
-        metrics.update(self.timer.metrics())
+        # The rollout phase splits into generation (time/rollout) and scoring (time/reward).
+        metrics.update({k: v for k, v in self.timer.metrics().items() if k != "time/rollout"})
         metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
         self.logger.log(step + 1, metrics)
         c = cfg.checkpoint

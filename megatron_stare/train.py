@@ -60,7 +60,7 @@ class Trainer:
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
-                                 * cfg.trainer.ppo_epochs, tis_cap=None)
+                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap)
         ref_dir = m.ref_path or hf_dir
         load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)

@@ -159,6 +159,9 @@ class AlgorithmConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator: 'k1'/'kl', 'k2'/'mse', 'k3'/'low_var_kl', 'abs'; suffix '+' = value of that
     estimator with the gradient of k2 (straight-through)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the rollout engine: each token's loss is weighted by
+    min(pi_old / pi_engine, tis_cap) (needs engine log-probs); null disables."""
     stare: StareConfig = field(default_factory=StareConfig)
     clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
     kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
@@ -194,6 +197,8 @@ class AlgorithmConfig:
             resolve_kl_type(self.kl_loss_type)
         except ValueError as e:
             raise ValueError(f"{prefix}.kl_loss_type: {e}") from None
+        if self.tis_cap is not None:
+            _require(self.tis_cap >= 1, f"{prefix}.tis_cap must be >= 1 (or null to disable), got {self.tis_cap}")
         self.stare.validate(f"{prefix}.stare")
         self.clip_cov.validate(f"{prefix}.clip_cov")
         self.kl_cov.validate(f"{prefix}.kl_cov")

@@ -58,7 +58,8 @@ def gather_full_model(actor) -> Dict[str, torch.Tensor]:
 def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str = "stare",
                    target_entropy: float = 100.0, variant: str = "C2", mini_batches: int = 1,
                    max_rows=None, micro_batch_tokens: int = 4096, lr: float = 1e-5,
-                   dtype=torch.float32, distributed_optimizer: bool = False):
+                   dtype=torch.float32, distributed_optimizer: bool = False,
+                   poison_advantage: bool = False):
     lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
     groups = init_distributed(lay, seed=1234)
     from megatron_stare.actor import ActorSettings, MegatronActor
@@ -74,6 +75,8 @@ def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str 
 
     actor = MegatronActor(TINY_SPEC, groups, settings, load)
     samples = synthetic_samples()
+    if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
+        samples[3].advantage = float("nan")
     batches = actor.prepare(samples, mini_batches=mini_batches)
     stats = actor.compute_logprobs(batches)
     state = StareController(algo.stare).update(stats.entropy)
@@ -83,5 +86,6 @@ def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str 
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
+            "skipped": res.skipped_steps,
             "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
             "weights": gather_full_model(actor)}

@@ -79,3 +79,15 @@ def test_grpo_equals_stare_with_gate_off():
 def test_stare_update_differs_from_grpo_when_gate_on(reference):
     grpo = run_on_ranks(_gate_off, 1, 1, 1, "vanilla")[0]
     assert reference["loss"] != grpo["loss"]
+
+
+def _poisoned(rank, world, tp, pp):
+    return run_actor_case(rank, world, tp, pp, poison_advantage=True)
+
+
+def test_non_finite_step_is_skipped_and_weights_untouched():
+    for got in run_on_ranks(_poisoned, 2, 1, 2):
+        assert got["skipped"] == 1
+        assert not torch.isfinite(torch.tensor(got["loss"][0]))
+        for name, w in got["weights"].items():
+            assert torch.equal(w, seeded_canonical(name, w.shape)), f"{name} changed on a skipped step"

@@ -39,6 +39,8 @@ def _run(assets, run_dir, *overrides, nproc=2, env=None, expect=0):
            f"logging.dir={run_dir / 'logs'}", "trainer.total_steps=4", "checkpoint.save_every=2",
            "trainer.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=8",
            "algorithm.stare.target_entropy=10.0", "trainer.eval_every=2", "logging.tensorboard=false",
+           # A custom reward by dotted path that an untrained model can earn: real advantages.
+           "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3",
            *overrides]
     # Output goes to files, and the job runs in its own session that is killed afterwards: a
     # rank killed mid-run orphans its helper processes (Megatron's checkpoint writer starts a
@@ -68,7 +70,7 @@ def _comparable(rows):
 @pytest.fixture(scope="module")
 def uninterrupted(assets, tmp_path_factory):
     run = tmp_path_factory.mktemp("full")
-    _run(assets, run)
+    _run(assets, run, "checkpoint.hf_export_every=4")
     return run
 
 
@@ -84,12 +86,26 @@ def test_run_trains_with_stare_and_syncs(uninterrupted):
     rows = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["stare/gate"] == 1.0 for r in rows), "gate should be on below target 10"
-    assert all(r["stare/positive_reweight_ratio"] > 0 or r["stare/positive_candidate_ratio"] == 0 for r in rows)
+    assert all(r["stare/positive_reweight_ratio"] > 0 for r in rows), "STARE selected nothing"
+    assert all(r["grad_norm"] > 0 for r in rows) and 0 < rows[0]["reward/mean"] < 1
     # The engine holds the trainer's weights: its log-probs match the trainer's old log-probs.
     assert all(r["mismatch/max_abs_logp"] < 1e-4 for r in rows)
     assert "eval/avg@4" in rows[1] and "eval/pass@4" in rows[3]
     ckpts = sorted(p.name for p in (uninterrupted / "ckpt").iterdir())
-    assert ckpts == ["step_00000002", "step_00000004"]
+    assert ckpts == ["hf_step_00000004", "step_00000002", "step_00000004"]
+
+
+def test_hf_export_is_loadable_and_trained(assets, uninterrupted):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = uninterrupted / "ckpt" / "hf_step_00000004"
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+    AutoTokenizer.from_pretrained(out)
+    a, b = trained.state_dict(), start.state_dict()
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a), "exported weights equal the starting ones"
 
 
 def test_kill_and_resume_reproduces_metrics_exactly(assets, uninterrupted, tmp_path):

@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_stare.algorithms.aggregation import MetricSums, backward_scale, global_token_mean
+from megatron_stare.algorithms.aggregation import (MetricSums, backward_scale, global_token_mean,
+                                                   sequence_token_counts)
 from megatron_stare.algorithms.config import AlgorithmConfig
 from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, build_policy_loss
 from megatron_stare.algorithms.stare import StareState
@@ -149,7 +150,8 @@ class MegatronActor:
         with_engine = all(s.engine_logprobs is not None for s in samples)
         batches = plan_rank_batches(samples, mini_batches=mini_batches, dp_rank=self.groups.dp_rank,
                                     dp_size=lay.dp, token_budget=self.s.parallel.micro_batch_tokens,
-                                    max_rows=self.s.max_rows_per_micro_batch, with_engine_logp=with_engine)
+                                    max_rows=self.s.max_rows_per_micro_batch, with_engine_logp=with_engine,
+                                    cp=lay.cp, cp_rank=self.groups.cp_rank)
         return [[mb.to(self.groups.device) for mb in mini] for mini in batches]
 
     # ------------------------------------------------------------------ per-token statistics
@@ -276,6 +278,7 @@ class MegatronActor:
         for _ in range(ppo_epochs):
             for micro_batches in batches:
                 plan = self.loss_fn.plan(self._mini_batch_input(micro_batches), dp_group=g.dp_cp_group,
+                                         cp_group=g.cp_group if lay.cp > 1 else None,
                                          step=step, stare_state=stare_state)
                 scale = backward_scale(grad_reduce_divisor=lay.dp, schedule_divisor=len(micro_batches))
                 step_loss = torch.zeros((), dtype=torch.float64, device=g.device)
@@ -287,13 +290,17 @@ class MegatronActor:
                         o = self._token_stats(logits, mb, entropy_grad=entropy_grad, sensitivity=False)
                         shape = mb.loss_mask.shape
                         tis = None
+                        # Under CP a sequence's tokens are spread over the CP ranks: the
+                        # per-sequence counts of the seq-mean modes must be global.
+                        seq_tokens = (sequence_token_counts(mb.loss_mask, g.cp_group)
+                                      if lay.cp > 1 else None)
                         if self.s.tis_cap is not None and mb.engine_logp is not None:
                             tis = torch.exp(mb.old_logp - mb.engine_logp).clamp(max=self.s.tis_cap)
                         out = self.loss_fn(PolicyLossInput(
                             logp=o.logprobs.reshape(shape), old_logp=mb.old_logp, advantages=mb.advantages,
                             mask=mb.loss_mask, token_keys=mb.token_keys,
                             entropy=o.entropy.reshape(shape) if o.entropy is not None else None,
-                            ref_logp=mb.ref_logp, tis_weight=tis), plan)
+                            ref_logp=mb.ref_logp, tis_weight=tis, seq_num_tokens=seq_tokens), plan)
                         step_loss = step_loss + out.loss.detach().double()
                         metrics.merge(out.metrics)
                         if collect_selection and plan.stare is not None:

@@ -101,12 +101,39 @@ def collate(samples: Sequence[Sample], with_engine_logp: bool = False) -> MicroB
     return mb
 
 
+def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
+    """This context-parallel rank's part of every ``[B, L]`` field, Megatron's load-balanced way.
+
+    The padded length is split into ``2*cp`` chunks and rank ``r`` keeps chunks ``r`` and
+    ``2*cp-1-r`` (causal attention cost then balances across ranks). ``position_ids`` are
+    sliced like the rest, so they keep their global values. ``[B]`` fields are unchanged.
+    """
+    if cp == 1:
+        return mb
+    b, width = mb.loss_mask.shape
+    chunk = -(-width // (2 * cp))
+    padded = chunk * 2 * cp
+    keep = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
+    for name, value in list(vars(mb).items()):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (b, width):
+            if name == "position_ids":
+                full = torch.arange(padded).unsqueeze(0).expand(b, padded)
+            else:
+                full = torch.zeros((b, padded), dtype=value.dtype)
+                full[:, :width] = value
+            setattr(mb, name, full[:, keep].contiguous())
+    return mb
+
+
 def plan_rank_batches(samples: Sequence[Sample], *, mini_batches: int, dp_rank: int, dp_size: int,
                       token_budget: int, max_rows: Optional[int] = None,
-                      with_engine_logp: bool = False) -> List[List[MicroBatch]]:
-    """This DP rank's micro-batches for each mini-batch of the step."""
+                      with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0
+                      ) -> List[List[MicroBatch]]:
+    """This DP rank's micro-batches for each mini-batch of the step (CP-sliced when ``cp > 1``)."""
     out = []
     for mini in split_mini_batches(samples, mini_batches):
         mine = assign_data_parallel(mini, dp_size)[dp_rank]
-        out.append([collate(g, with_engine_logp) for g in pack_micro_batches(mine, token_budget, max_rows)])
+        out.append([cp_slice(collate(g, with_engine_logp), cp, cp_rank)
+                    for g in pack_micro_batches(mine, token_budget, max_rows)])
     return out

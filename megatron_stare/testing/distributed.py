@@ -46,7 +46,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         backend = os.environ.get("MEGATRON_STARE_TEST_BACKEND", "gloo")
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # The parent holds the store's server socket: no window in which another process can
+        # take the port between choosing it and binding it.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # Tensors sent through a torch queue live in shared memory that dies with this
         # process: send plain bytes instead.
@@ -74,9 +77,13 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     Raises ``RankFailure`` naming every failing rank (with its traceback), or when a rank dies
     without reporting, or when the whole run exceeds ``timeout`` seconds.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # Port 0: the kernel picks a free port while binding, so no other process can race for it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results), daemon=False)
         for r in range(world_size)
@@ -121,6 +128,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     finally:
         for p in procs:
             p.join(timeout=5)
+        del store
         for p in procs:
             if p.is_alive():
                 p.kill()

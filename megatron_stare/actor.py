@@ -330,6 +330,39 @@ class MegatronActor:
             result.selected_keys = self._gather_keys(selected)
         return result
 
+    @torch.no_grad()
+    def entropy_diagnostics(self, batches: List[List[MicroBatch]], stare_state: Optional[StareState] = None
+                            ) -> Dict[str, float]:
+        """Entropy-dynamics diagnostics of the step (algorithms.md): predicted entropy change
+        ``pred_dH = mean_t(omega*A*S)`` with this step's STARE weights, the log-prob/advantage
+        covariance and the four advantage-surprisal quadrant fractions; global over DP/CP,
+        token-weighted over mini-batches. Needs the sensitivity sums of the log-prob pass."""
+        from megatron_stare.algorithms.diagnostics import entropy_dynamics
+        from megatron_stare.algorithms.stare import stare_weights
+
+        g, algo = self.groups, self.s.algorithm
+        totals: Dict[str, float] = {}
+        n_all = 0.0
+        for micro_batches in batches:
+            mb = self._mini_batch_input(micro_batches)
+            cat = lambda name: cat_padded([getattr(m, name) for m in micro_batches])  # noqa: E731
+            omega = None
+            if algo.policy_loss == "stare" and stare_state is not None and stare_state.gate_on:
+                sel = None
+                if algo.stare.selection_scope == "global":
+                    from megatron_stare.algorithms.stare import stare_global_selection
+
+                    sel = stare_global_selection(mb.old_logp, mb.advantages, mb.mask, mb.token_keys,
+                                                 algo.stare, dp_group=g.dp_cp_group)
+                omega = stare_weights(-mb.old_logp, mb.advantages, mb.mask, mb.token_keys, algo.stare,
+                                      stare_state, sel).omega
+            d = entropy_dynamics(mb.old_logp, mb.advantages, mb.mask, cat("entropy"), cat("sum_p2"),
+                                 cat("sum_p2_logp"), omega, dp_group=g.dp_cp_group)
+            for k in ("pred_dH", "cov", "frac_pos_high", "frac_pos_low", "frac_neg_high", "frac_neg_low"):
+                totals[k] = totals.get(k, 0.0) + getattr(d, k) * d.num_tokens
+            n_all += d.num_tokens
+        return {f"dynamics/{k}": v / max(n_all, 1.0) for k, v in totals.items()}
+
     def _pp_share(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """The last stage's metric values on every pipeline stage (same key order everywhere)."""
         if self.groups.layout.pp == 1:

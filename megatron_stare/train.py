@@ -109,12 +109,13 @@ class Trainer:
             if self.gepo is not None:
                 self._shape_gepo(batches, len({s.group_id for s in samples}))
         state = self.controller.update(stats.entropy)
+        dynamics = self.actor.entropy_diagnostics(batches, state)
         with self.timer("update"):
             result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
         self.skipped += result.skipped_steps
         with self.timer("sync"):
             self.sync_weights()
-        metrics = {**rollout_metrics, **result.metrics,
+        metrics = {**rollout_metrics, **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
                    "stare/entropy": stats.entropy, "stare/gate": float(state.gate_on),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}

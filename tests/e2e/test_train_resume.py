@@ -88,6 +88,8 @@ def test_run_trains_with_stare_and_syncs(uninterrupted):
     assert all(r["stare/gate"] == 1.0 for r in rows), "gate should be on below target 10"
     assert all(r["stare/positive_reweight_ratio"] > 0 for r in rows), "STARE selected nothing"
     assert all(r["grad_norm"] > 0 for r in rows) and 0 < rows[0]["reward/mean"] < 1
+    quadrants = ("dynamics/frac_pos_high", "dynamics/frac_pos_low", "dynamics/frac_neg_high", "dynamics/frac_neg_low")
+    assert all(abs(sum(r[q] for q in quadrants) - 1) < 1e-9 and "dynamics/pred_dH" in r for r in rows)
     # The engine holds the trainer's weights: its log-probs match the trainer's old log-probs.
     assert all(r["mismatch/max_abs_logp"] < 1e-4 for r in rows)
     assert "eval/avg@4" in rows[1] and "eval/pass@4" in rows[3]

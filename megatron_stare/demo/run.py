@@ -1,0 +1,210 @@
+"""The CPU demo: GRPO vs STARE on policy entropy, from the same supervised warm start.
+
+``python -m megatron_stare.demo.run [--out runs/demo] [--seed 0] [--steps N] [--quick]``
+
+1. A tiny Qwen2-style model and byte-level BPE tokenizer, built offline (``<out>/base``).
+2. A supervised warm start on single-digit addition, stopped at partial sampled accuracy
+   (``demo.sft``; ``<out>/sft``, an HF checkpoint directory).
+3. The start entropy H0 is measured by sampling the warm start like the rollout does;
+   STARE's target is ``--target-ratio * H0``.
+4. GRPO (``algorithm.policy_loss=vanilla``) and STARE from that same start, one after the other,
+   each through the real trainer: ``torchrun --nproc-per-node 2 -m megatron_stare.train`` with
+   ``examples/demo_cpu.yaml`` (TP=2 Megatron actor, the ``hf`` engine on rank 0 receiving the
+   resharded weights every step). Metrics: ``<out>/{grpo,stare}/metrics.jsonl`` + TensorBoard.
+5. ``<out>/demo.png`` (entropy with the 0.7-1.3x target band, accuracy, mean response length,
+   gate) and ``<out>/summary.json`` with the table printed at the end.
+
+Knobs and results: docs/demo.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "demo_cpu.yaml"
+RUNS = (("GRPO", "vanilla"), ("STARE", "stare"))
+BAND = (0.7, 1.3)
+"""The entropy band, as multiples of the target, that counts as 'held'."""
+
+
+@dataclass
+class DemoSettings:
+    out: str = "runs/demo"
+    seed: int = 0
+    steps: int = 300
+    """RL steps of each run."""
+    target_ratio: float = 0.6
+    """STARE's target entropy as a multiple of the warm start's measured entropy H0."""
+    digits: int = 1
+    """Operand digits of the addition task."""
+    sft_rows: int = 2000
+    rl_rows: int = 512
+    quick: bool = False
+    """CI-sized: a few SFT steps, tiny batches (for the e2e test; shows nothing)."""
+    overrides: List[str] = field(default_factory=list)
+    """Extra ``a.b=c`` trainer overrides applied to both runs (after the demo's own)."""
+
+
+def _log(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def prepare(s: DemoSettings) -> dict:
+    """Build the base model, the data, and the warm start; measure H0 and the start accuracy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
+    from megatron_stare.rewards.synthetic import make_task, write_jsonl
+    from megatron_stare.testing.hf_models import build_tiny_hf_model
+
+    out = Path(s.out)
+    base = build_tiny_hf_model("qwen2", out / "base", seed=s.seed)
+    task = dict(digits=s.digits)
+    sft_rows = make_task("add", s.sft_rows, seed=1000 + s.seed, **task)
+    probe_rows = make_task("add", 64, seed=2000 + s.seed, **task)
+    rl_rows = make_task("add", s.rl_rows, seed=3000 + s.seed, **task)
+    write_jsonl(rl_rows, str(out / "data" / "train.jsonl"))
+    sft = SftSettings(max_steps=10, eval_every=5, probe_prompts=16) if s.quick else SftSettings()
+    t0 = time.perf_counter()
+    train_sft(str(base), str(out / "sft"), sft_rows, probe_rows, sft, seed=s.seed, log=_log)
+    import torch
+
+    torch.manual_seed(s.seed)
+    tok = AutoTokenizer.from_pretrained(out / "sft")
+    model = AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32)
+    # The start as the RL runs see it: RL prompts, 8 samples each at temperature 1.
+    n_prompts = 8 if s.quick else 64
+    start = measure_policy(model, tok, rl_rows[:n_prompts], seed=s.seed, samples_per_prompt=8)
+    info = {"sft_seconds": round(time.perf_counter() - t0, 1), "start_accuracy": start.accuracy,
+            "start_entropy": start.entropy, "start_mean_length": start.mean_length,
+            "target_entropy": round(s.target_ratio * start.entropy, 4)}
+    _log(f"warm start: sampled accuracy {start.accuracy:.2f}, entropy H0 {start.entropy:.3f} -> "
+         f"STARE target {info['target_entropy']:.3f} ({s.target_ratio} x H0)")
+    return info
+
+
+def trainer_overrides(s: DemoSettings, policy_loss: str, target: float, log_dir: Path) -> List[str]:
+    out = Path(s.out)
+    ov = [f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
+          f"logging.dir={log_dir}", f"algorithm.policy_loss={policy_loss}",
+          f"algorithm.stare.target_entropy={target}", f"trainer.total_steps={s.steps}",
+          f"trainer.seed={s.seed + 1}", f"data.seed={s.seed}"]
+    if s.quick:
+        ov += ["trainer.prompts_per_step=4", "rollout.n=4", "logging.tensorboard=false"]
+    return ov + list(s.overrides)
+
+
+def run_rl(s: DemoSettings, label: str, policy_loss: str, target: float) -> Path:
+    """One RL run through torchrun (2 ranks) with STARE's target ``target``; returns its metrics.jsonl."""
+    log_dir = Path(s.out) / label.lower()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_stare.train", "--config", str(CONFIG),
+           *trainer_overrides(s, policy_loss, target, log_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    _log(f"{label}: {s.steps} steps (log: {log_dir / 'train.log'})")
+    t0 = time.perf_counter()
+    with open(log_dir / "train.log", "w") as f:
+        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if code != 0:
+        tail = (log_dir / "train.log").read_text()[-3000:]
+        raise SystemExit(f"[demo] {label} run failed (exit {code}); last lines of its log:\n{tail}")
+    _log(f"{label}: done in {time.perf_counter() - t0:.0f}s")
+    return log_dir / "metrics.jsonl"
+
+
+def summarize(rows: Sequence[dict], target: float) -> dict:
+    """Entropy/accuracy summary of one run. 'Final' = mean over the last 10% of steps (>= 5),
+    since one step's entropy of 128 short responses is noisy. 'After gate' = from the first step
+    whose entropy is below the target (the STARE gate's first firing) to the end."""
+    from megatron_stare.metrics import ACCURACY, ENTROPY
+
+    ent = [float(r[ENTROPY]) for r in rows]
+    acc = [float(r[ACCURACY]) for r in rows]
+    tail = max(5, len(rows) // 10)
+    first = next((i for i, h in enumerate(ent) if h < target), None)
+    after = ent[first:] if first is not None else []
+    lo, hi = BAND[0] * target, BAND[1] * target
+    return {
+        "steps": len(rows),
+        "first_gate_step": rows[first]["step"] if first is not None else None,
+        "final_entropy": statistics.fmean(ent[-tail:]),
+        "mean_entropy_after_gate": statistics.fmean(after) if after else math.nan,
+        "frac_in_band_after_gate": sum(lo <= h <= hi for h in after) / len(after) if after else math.nan,
+        "start_accuracy": statistics.fmean(acc[:tail]),
+        "final_accuracy": statistics.fmean(acc[-tail:]),
+    }
+
+
+def format_table(results: Dict[str, dict], target: float) -> str:
+    head = (f"target entropy {target:.3f} (band {BAND[0] * target:.3f}-{BAND[1] * target:.3f})\n"
+            f"{'run':<8}{'gate@':>7}{'H final':>9}{'H after gate':>14}{'in band':>9}"
+            f"{'acc start':>11}{'acc final':>11}")
+    lines = [head]
+    for label, r in results.items():
+        lines.append(f"{label:<8}{str(r['first_gate_step']):>7}{r['final_entropy']:>9.3f}"
+                     f"{r['mean_entropy_after_gate']:>14.3f}{r['frac_in_band_after_gate']:>9.2f}"
+                     f"{r['start_accuracy']:>11.2f}{r['final_accuracy']:>11.2f}")
+    return "\n".join(lines)
+
+
+def run_demo(s: DemoSettings) -> dict:
+    """The whole pipeline; returns (and writes to ``<out>/summary.json``) the summary."""
+    from megatron_stare.metrics import plot_runs, read_metrics
+
+    t0 = time.perf_counter()
+    Path(s.out).mkdir(parents=True, exist_ok=True)
+    start = prepare(s)
+    target = start["target_entropy"]
+    # GRPO's controller gets target 0 (entropy is never below it): its gate panel stays at 0,
+    # and the STARE-only W/M logs stay at their initial values.
+    paths = {label: run_rl(s, label, loss, target if loss == "stare" else 0.0) for label, loss in RUNS}
+    png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
+                    target_entropy=(BAND[0] * target, BAND[1] * target))
+    results = {label: summarize(read_metrics(str(p)), target) for label, p in paths.items()}
+    summary = {"settings": asdict(s), "start": start, "runs": results, "png": png,
+               "wall_seconds": round(time.perf_counter() - t0, 1)}
+    with open(Path(s.out) / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    print(format_table(results, target), flush=True)
+    _log(f"figure: {png}; summary: {Path(s.out) / 'summary.json'}; {summary['wall_seconds']:.0f}s in all")
+    return summary
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> DemoSettings:
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.run", description=__doc__.split("\n")[0])
+    d = DemoSettings()
+    ap.add_argument("--out", default=d.out, help="output directory (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default {d.steps}; 3 with --quick)")
+    ap.add_argument("--target-ratio", type=float, default=d.target_ratio,
+                    help="STARE target entropy as a multiple of the start entropy (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="CI-sized run: tiny SFT, 3 RL steps each")
+    ap.add_argument("overrides", nargs="*", help="extra a.b=c trainer overrides for both runs")
+    a = ap.parse_args(argv)
+    steps = a.steps if a.steps is not None else (3 if a.quick else d.steps)
+    if steps < 1 or a.target_ratio <= 0:
+        ap.error("--steps must be >= 1 and --target-ratio > 0")
+    return DemoSettings(out=a.out, seed=a.seed, steps=steps, target_ratio=a.target_ratio,
+                        quick=a.quick, overrides=list(a.overrides))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    run_demo(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

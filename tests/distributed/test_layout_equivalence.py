@@ -3,7 +3,6 @@ pipeline schedule gives the same losses, grad norms and final logits at every la
 one process (fp32, max abs diff <= 1e-6)."""
 
 import pytest
-import torch
 
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.megatron_tiny import run_layout

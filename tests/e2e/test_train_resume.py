@@ -2,7 +2,6 @@
 engine receiving resharded weights every step; checkpoint, kill, resume, and the resumed run
 reproduces the uninterrupted run's metrics exactly. Bad inputs give one clear line."""
 
-import json
 import os
 import shutil
 import signal

@@ -113,11 +113,17 @@ class Trainer:
         with self.timer("update"):
             result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
         self.skipped += result.skipped_steps
+        if result.skipped_steps and self.rank == DRIVER:
+            print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
+                  f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
+                  flush=True)
         with self.timer("sync"):
             self.sync_weights()
         metrics = {**rollout_metrics, **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
-                   "stare/entropy": stats.entropy, "stare/gate": float(state.gate_on),
+                   "stare/entropy": stats.entropy,
+                   # The gate only acts in the STARE loss; other losses log it as off.
+                   "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,

@@ -31,16 +31,8 @@ PYTHON=${PYTHON:-python}
 CONFIG=examples/qwen2.5_32b_longcot.yaml
 FALLBACK_HF_CONFIG=examples/configs/qwen2.5-32b.json
 
-MODE=train
-EXTRA=()
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) MODE=plan ;;
-    --print-cmd) MODE=print ;;
-    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-    *) EXTRA+=("$arg") ;;
-  esac
-done
+source launch/common.sh
+parse_args "$@"
 
 MODEL_ARGS=(
   model.path="$MODEL_DIR"
@@ -125,22 +117,4 @@ ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS
       "${OPTIMIZER_ARGS[@]}" "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${LOG_ARGS[@]}"
       ${EXTRA[@]+"${EXTRA[@]}"})
 
-if [[ $MODE == plan ]]; then
-  HF_CONFIG=$FALLBACK_HF_CONFIG
-  [[ -f $MODEL_DIR/config.json ]] && HF_CONFIG=$MODEL_DIR/config.json
-  exec "$PYTHON" -m megatron_stare.plan --config "$CONFIG" --world-size $((NNODES * GPUS_PER_NODE)) \
-    --gpu-mem-gb "$GPU_MEM_GB" --hf-config "$HF_CONFIG" "${ARGS[@]}"
-fi
-
-CMD=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
-     --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-     -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
-if [[ $MODE == print ]]; then
-  printf '%q ' "${CMD[@]}"; echo
-  exit 0
-fi
-
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron's TP/SP communication overlap relies on it
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} TOKENIZERS_PARALLELISM=false
-mkdir -p "$RUN_DIR"
-exec "${CMD[@]}"
+launch_multinode

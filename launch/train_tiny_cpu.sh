@@ -22,16 +22,8 @@ TINY_DIR=${TINY_DIR:-runs/tiny}
 PYTHON=${PYTHON:-python}
 CONFIG=examples/tiny_cpu.yaml
 
-MODE=train
-EXTRA=()
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) MODE=plan ;;
-    --print-cmd) MODE=print ;;
-    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-    *) EXTRA+=("$arg") ;;
-  esac
-done
+source launch/common.sh
+parse_args "$@"
 
 MODEL_ARGS=(
   model.path="$TINY_DIR/model"

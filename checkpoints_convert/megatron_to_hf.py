@@ -16,15 +16,11 @@ import argparse
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 from checkpoints_convert import DTYPES, config_dtype, fail, log
 
 PROG = "megatron_to_hf"
-TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "chat_template.jinja", "added_tokens.json")
 
 
 def parse_size(text: str) -> int:
@@ -70,11 +66,9 @@ def _hf_config(args, meta, spec) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
-    import torch.distributed as dist
 
     from megatron_stare.models.dist_ckpt import load_model, read_meta
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
-    from megatron_stare.models.hf_io import HFShardWriter
+    from megatron_stare.models.hf_export import write_hf_checkpoint
     from megatron_stare.models.provider import build_model_stage, model_shape
     from megatron_stare.parallel import ParallelLayout, destroy_distributed, init_distributed
 
@@ -94,36 +88,17 @@ def main(argv=None) -> None:
         f"pp={layout.pp}; writing {dtype_name} shards of <= {args.shard_size} bytes")
     groups = init_distributed(layout, shape=model_shape(spec))
     out = args.out.absolute()
-    tmp = out.parent / f".{out.name}.partial"
     try:
         saved_dtype = meta.extra.get("dtype", "torch.float32").replace("torch.", "")
         model, _ = build_model_stage(spec, groups, dtype=getattr(torch, saved_dtype))
         load_model(model, args.ckpt, spec)
         log("checkpoint loaded")
-        writer = None
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            writer = HFShardWriter(tmp)
-        stats = ExportStats()
-        for bucket in iter_hf_buckets(model, groups, spec, args.shard_size, dst=0,
-                                      dtype=getattr(torch, dtype_name), stats=stats):
-            writer.write(bucket)
-            log(f"wrote shard {writer.num_shards}: {len(bucket)} tensors, "
-                f"{bucket.flat.numel() / 2**20:.1f} MiB")
-        if writer is not None:
-            writer.finish()
-            hf_config = {**hf_config, "dtype": dtype_name}
-            hf_config.pop("torch_dtype", None)
-            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-            src = args.hf_config_dir or (args.ckpt / "hf")
-            for f in TOKENIZER_FILES:
-                if (src / f).is_file():
-                    shutil.copyfile(src / f, tmp / f)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-            log(f"wrote {writer.total_bytes / 2**20:.1f} MiB of tensors to {out}")
-        dist.barrier()
+        write_hf_checkpoint(
+            model, groups, spec, out, hf_config=hf_config, bucket_bytes=args.shard_size,
+            side_files_dir=args.hf_config_dir or (args.ckpt / "hf"), dtype=getattr(torch, dtype_name),
+            on_shard=lambda w, bucket: log(f"wrote shard {w.num_shards}: {len(bucket)} tensors, "
+                                           f"{bucket.flat.numel() / 2**20:.1f} MiB"))
+        log(f"wrote {out}")
     except ValueError as e:
         fail(PROG, str(e))
     finally:

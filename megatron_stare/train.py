@@ -254,29 +254,13 @@ class Trainer:
 
     def export_hf(self, step: int) -> None:
         """Write the current policy as an HF checkpoint (safetensors + config + tokenizer)."""
-        import shutil
+        from megatron_stare.models.hf_export import write_hf_checkpoint
+        from megatron_stare.models.provider import load_hf_config
 
-        from megatron_stare.models.export import iter_hf_buckets
-        from megatron_stare.models.hf_io import HFShardWriter
-
-        out = Path(self.cfg.checkpoint.dir).absolute() / f"hf_step_{step:08d}"
-        tmp = out.parent / f".{out.name}.partial"
-        writer = None
-        if self.rank == DRIVER:
-            shutil.rmtree(tmp, ignore_errors=True)
-            writer = HFShardWriter(tmp)
-        for bucket in iter_hf_buckets(self.actor.model, self.groups, self.spec,
-                                      self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER):
-            writer.write(bucket)
-        if writer is not None:
-            writer.finish()
-            for f in Path(self._hf_dir()).iterdir():
-                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and \
-                        f.name != "model.safetensors.index.json":
-                    shutil.copyfile(f, tmp / f.name)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-        dist.barrier()
+        write_hf_checkpoint(self.actor.model, self.groups, self.spec,
+                            Path(self.cfg.checkpoint.dir) / f"hf_step_{step:08d}",
+                            hf_config=load_hf_config(self._hf_dir()), side_files_dir=self._hf_dir(),
+                            bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
 
     # ------------------------------------------------------------------ setup helpers
     def _hf_dir(self) -> str:

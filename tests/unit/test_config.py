@@ -18,7 +18,7 @@ def files(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 301, "hidden_size": 128}))
+        "num_key_value_heads": 2, "vocab_size": 301, "hidden_size": 128, "intermediate_size": 256}))
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return [f"model.path={model}", f"data.train_path={data}"]
@@ -69,7 +69,7 @@ def test_overrides_are_typed(files):
     (["parallel.distributed_optimizer=true"], 1, "distributed_optimizer needs CUDA"),
     (["model.dtype=bfloat16"], 1, "model.dtype=bfloat16 needs CUDA"),
     (["rollout.engine=sglang"], 1, "rollout.engine=sglang needs CUDA"),
-    (["algorithm.stare.top_p=1.5"], 1, "algorithm.stare.top_p must be in [0, 1], got 1.5"),
+    (["algorithm.stare.top_p=1.5"], 1, "algorithm.stare.top_p must be in (0, 1] (P is the fraction"),
     (["algorithm.policy_loss=ppo2"], 1, "algorithm.policy_loss must be one of"),
     (["trainer.prompts_per_step=6", "trainer.mini_batches_per_step=4"], 1, "not divisible by"),
     (["algorithm.loss_agg_mode=seq-mean-token-sum-norm"], 1, "seq_mean_norm_const must be > 0"),

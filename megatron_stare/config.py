@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--world-size", type=int, default=None, help="ranks of the run (checks the layout)")
     ap.add_argument("--quiet", action="store_true", help="check only; print nothing when the config is good")
     ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may follow the a.b=c overrides
     try:
         cfg = resolve_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as e:

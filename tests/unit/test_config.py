@@ -108,3 +108,23 @@ def test_cli_prints_one_line_on_error(files):
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
     assert lines == ["error: config: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    # Errors raised by the value checks (config_checks), not only by the loader: run as
+    # __main__, the CLI once caught a second ConfigError class and printed a traceback.
+    (["algorithm.stare.w=0.9"], "error: config: algorithm.stare.w must be >= 1"),
+    (["--world-size", "6", "parallel.tp=3"], "error: config: parallel.tp=3 does not divide the 4 attention heads"),
+    (["checkpoint.hf_export_every=2"], "error: config: checkpoint.hf_export_every=2 needs checkpoint.dir"),
+])
+def test_cli_value_errors_are_one_line_exit_2(files, overrides, needle):
+    out = subprocess.run([sys.executable, "-m", "megatron_stare.config", *files, *overrides],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and out.stderr.startswith(needle), out.stderr
+
+
+def test_cli_quiet_checks_without_printing(files):
+    out = subprocess.run([sys.executable, "-m", "megatron_stare.config", "--quiet", "--world-size", "2",
+                          "parallel.tp=2", *files], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "", out.stderr

@@ -5,7 +5,7 @@
 # Runs `torchrun --standalone --nproc-per-node 2 -m megatron_stare.train --config
 # examples/tiny_cpu.yaml` with the settings below as a.b=c overrides grouped by concern. If
 # $TINY_DIR/model or $TINY_DIR/train.jsonl is missing it is built first (a tiny checkpoint from
-# megatron_stare.testing.hf_models and an arithmetic prompt set with exact-match answers).
+# megatron_stare.models.tiny and an arithmetic prompt set with exact-match answers).
 #
 # Usage: launch/train_tiny_cpu.sh [--dry-run] [--print-cmd] [a.b=c ...]
 #   --dry-run    print the parallel plan and memory estimate instead of training (builds nothing;
@@ -63,7 +63,7 @@ ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS
 if [[ $MODE == plan ]]; then
   HF_CONFIG=$TINY_DIR/model/config.json
   if [[ ! -f $HF_CONFIG ]]; then
-    # The defaults of megatron_stare.testing.hf_models.build_tiny_hf_model("qwen2", ...).
+    # The defaults of megatron_stare.models.tiny.build_tiny_hf_model("qwen2", ...).
     HF_CONFIG=$(mktemp "${TMPDIR:-/tmp}/tiny-config.XXXXXX")
     trap 'rm -f "$HF_CONFIG"' EXIT
     cat >"$HF_CONFIG" <<'JSON'
@@ -90,7 +90,7 @@ if [[ ! -f $TINY_DIR/model/config.json || ! -f $TINY_DIR/train.jsonl ]]; then
   TINY_DIR=$TINY_DIR "$PYTHON" - <<'PY'
 import json, os, random
 from pathlib import Path
-from megatron_stare.testing.hf_models import build_tiny_hf_model
+from megatron_stare.models.tiny import build_tiny_hf_model
 
 root = Path(os.environ["TINY_DIR"])
 if not (root / "model" / "config.json").is_file():

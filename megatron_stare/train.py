@@ -80,7 +80,7 @@ class Trainer:
         self.engine = self.pool = None
         if self.colocated or self.rank == DRIVER:
             from megatron_stare.rewards import RewardPool
-            from megatron_stare.rollout.base import build_engine
+            from megatron_stare.rollout import build_engine
 
             self.pool = RewardPool(cfg.reward)
             self.engine = build_engine(cfg.rollout.engine, hf_dir, **self._engine_kwargs())

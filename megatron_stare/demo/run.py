@@ -66,7 +66,7 @@ def prepare(s: DemoSettings) -> dict:
 
     from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
     from megatron_stare.rewards.synthetic import make_task, write_jsonl
-    from megatron_stare.testing.hf_models import build_tiny_hf_model
+    from megatron_stare.models.tiny import build_tiny_hf_model
 
     out = Path(s.out)
     base = build_tiny_hf_model("qwen2", out / "base", seed=s.seed)

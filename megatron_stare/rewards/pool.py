@@ -31,7 +31,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Deque, List, Optional, Sequence, Tuple
 
-from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported, get_reward_fn
+from megatron_stare.rewards.lookup import get_reward_fn
+from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
 if TYPE_CHECKING:  # importing the config pulls in torch; workers import this module
     from megatron_stare.config import RewardConfig

@@ -12,14 +12,14 @@
 #                the HF config is $TINY_DIR/model/config.json, else the tiny model's defaults).
 #   --print-cmd  print the training command and exit.
 #   a.b=c        extra overrides, applied last (e.g. trainer.total_steps=5).
-# Environment: NPROC (2) GPU_MEM_GB TINY_DIR (runs/tiny) PYTHON.
+# Environment: NPROC (2) GPU_MEM_GB TINY_DIR (runs/tiny) VENV (the environment that runs it: default
+#              .venv, see launch/common.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 NPROC=${NPROC:-2}
 GPU_MEM_GB=${GPU_MEM_GB:-80}
 TINY_DIR=${TINY_DIR:-runs/tiny}
-PYTHON=${PYTHON:-python}
 CONFIG=examples/tiny_cpu.yaml
 
 source launch/common.sh
@@ -74,20 +74,20 @@ if [[ $MODE == plan ]]; then
 JSON
   fi
   rc=0
-  "$PYTHON" -m megatron_stare.plan --config "$CONFIG" --world-size "$NPROC" \
+  "$RUN_PY" -m megatron_stare.plan --config "$CONFIG" --world-size "$NPROC" \
     --gpu-mem-gb "$GPU_MEM_GB" --hf-config "$HF_CONFIG" "${ARGS[@]}" || rc=$?
   exit $rc
 fi
 
-CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
+CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
      -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
 if [[ $MODE == print ]]; then
-  printf '%q ' "${CMD[@]}"; echo
+  print_cmd "${CMD[@]}"
   exit 0
 fi
 
 if [[ ! -f $TINY_DIR/model/config.json || ! -f $TINY_DIR/train.jsonl ]]; then
-  TINY_DIR=$TINY_DIR "$PYTHON" - <<'PY'
+  TINY_DIR=$TINY_DIR "$RUN_PY" - <<'PY'
 import json, os, random
 from pathlib import Path
 from megatron_stare.models.tiny import build_tiny_hf_model
@@ -104,5 +104,6 @@ if not (root / "train.jsonl").is_file():
 print(f"prepared {root}")
 PY
 fi
+"$RUN_PY" -m megatron_stare.config --quiet --config "$CONFIG" --world-size "$NPROC" "${ARGS[@]}" || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 exec "${CMD[@]}"

@@ -1,11 +1,16 @@
 """The launch scripts' --dry-run on CPU: the plan prints, exit codes hold, scripts match the YAMLs.
 
+The scripts run with a PATH whose ``python``/``python3`` is not the project's environment (a
+shim to a torch-less system python, or one that refuses to run), as after the README's setup:
+they must use the project's ``.venv`` (launch/common.sh), never PATH's python.
+
 The too-small (exit 3) case runs in-process in tests/unit/test_plan.py; each script here costs a
 torch import, so only the scripts' own paths run as subprocesses.
 """
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +26,53 @@ SCRIPTS = {
     "tiny": ("launch/train_tiny_cpu.sh", "examples/tiny_cpu.yaml"),
 }
 _ENV_KEYS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "GPU_MEM_GB", "MODEL_DIR", "DATA_DIR",
-             "RUN_DIR", "TINY_DIR", "NPROC", "MASTER_ADDR", "MASTER_PORT")
+             "RUN_DIR", "TINY_DIR", "NPROC", "MASTER_ADDR", "MASTER_PORT", "MASTER_WAIT_S", "VENV", "PYTHON")
 
 
-def _run(script, *args, **env):
+def _torchless_python():
+    """A system python3 without torch, or None."""
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(cand) and subprocess.run(
+                [cand, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"],
+                capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def shim_path(tmp_path_factory):
+    """A PATH whose python/python3 is not the project's environment."""
+    d = tmp_path_factory.mktemp("shim")
+    target = _torchless_python()
+    body = f'exec {target} "$@"' if target else 'echo "shim python: not the project environment" >&2; exit 97'
+    for name in ("python", "python3"):
+        (d / name).write_text(f"#!/bin/sh\n{body}\n")
+        (d / name).chmod(0o755)
+    return f"{d}:{os.environ['PATH']}"
+
+
+def _env(shim_path, **env):
     full = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS and not k.startswith("SLURM_")}
-    full.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    full.update(PATH=shim_path, OMP_NUM_THREADS="1")
+    if not (ROOT / ".venv" / "bin" / "python").exists():  # tests run from another environment
+        full["VENV"] = sys.prefix
     full.update({k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", script, *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=60)
+    return full
 
 
-def test_32b_dry_run_fits_on_4_nodes():
-    res = _run(SCRIPTS["32b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
+@pytest.fixture
+def run(shim_path):
+    def _run(script, *args, cwd=ROOT, **env):
+        path = cwd / script
+        cmd = [str(path)] if os.access(path, os.X_OK) else ["bash", str(path)]  # as the README runs them
+        return subprocess.run([*cmd, *args], cwd=cwd, env=_env(shim_path, **env), capture_output=True,
+                              text=True, timeout=60)
+    return _run
+
+
+def test_32b_dry_run_fits_on_4_nodes(run):
+    """The README's line, as written, with PATH's python unable to run the project."""
+    res = run(SCRIPTS["32b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
@@ -41,34 +80,54 @@ def test_32b_dry_run_fits_on_4_nodes():
     print(out)
 
 
-def test_bad_config_is_one_line_exit_2():
-    res = _run(SCRIPTS["32b"][0], "--dry-run", "parallel.tpp=8")
+def test_bad_config_is_one_line_exit_2(run):
+    res = run(SCRIPTS["32b"][0], "--dry-run", "parallel.tpp=8")
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "unknown key 'parallel.tpp'" in res.stderr
 
 
 @pytest.mark.parametrize("name,env", [("7b", {}), ("tiny", {"TINY_DIR": "/nonexistent/tiny"})])
-def test_other_scripts_dry_run(name, env):
-    res = _run(SCRIPTS[name][0], "--dry-run", **env)
+def test_other_scripts_dry_run(run, name, env):
+    res = run(SCRIPTS[name][0], "--dry-run", **env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Peak:" in res.stdout and "fits" in res.stdout
 
 
-def test_slurm_maps_its_environment():
+def test_slurm_maps_its_environment(run):
     """Outside srun the job script hands --dry-run/--print-cmd to the 32B script, SLURM env mapped."""
-    res = _run("launch/slurm_32b.sbatch", "--print-cmd", SLURM_JOB_NUM_NODES=2, SLURM_GPUS_ON_NODE=4)
+    res = run("launch/slurm_32b.sbatch", "--print-cmd", SLURM_JOB_NUM_NODES=2, SLURM_GPUS_ON_NODE=4)
     assert res.returncode == 0, res.stderr
     assert "--nnodes 2 " in res.stdout and "--nproc-per-node 4 " in res.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_script_overrides_agree_with_yaml(name):
+def test_script_overrides_agree_with_yaml(run, name):
     """With default paths, a script's grouped flags restate its YAML exactly (no drift)."""
     script, yaml = SCRIPTS[name]
-    res = _run(script, "--print-cmd")
+    res = run(script, "--print-cmd")
     assert res.returncode == 0, res.stderr
     cmd = shlex.split(res.stdout)
     assert cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1] == "megatron_stare.train"
     overrides = cmd[cmd.index("--config") + 2:]
     assert cmd[cmd.index("--config") + 1] == yaml and overrides
     assert to_dict(load_config(str(ROOT / yaml), overrides)) == to_dict(load_config(str(ROOT / yaml)))
+
+
+def test_scripts_use_the_project_environment(run):
+    """--print-cmd shows the interpreter the run would use: the venv's, not PATH's python."""
+    res = run(SCRIPTS["tiny"][0], "--print-cmd")
+    assert res.returncode == 0, res.stderr
+    expected = str(ROOT / ".venv") if (ROOT / ".venv" / "bin" / "python").exists() else sys.prefix
+    assert shlex.split(res.stdout)[0] == str(Path(expected) / "bin" / "python")
+
+
+def test_missing_environment_is_one_line(run, tmp_path):
+    res = run(SCRIPTS["32b"][0], "--dry-run", VENV=tmp_path / "nope")
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1
+    assert res.stderr.startswith(f"error: VENV={tmp_path / 'nope'} has no bin/python")
+    # No .venv at all (a copy of the scripts elsewhere) and PATH's python lacks torch.
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "launch", copy / "launch")
+    res = run("launch/train_32b_longcot.sh", "--dry-run", cwd=copy, VENV="")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "has no torch; run scripts/bootstrap.sh" in res.stderr

@@ -89,12 +89,13 @@ def wait_for_port(addr: str, ip: str, port: int, wait_s: float) -> None:
                 return
         except OSError as e:
             last = e.strerror or type(e).__name__
-        if time.monotonic() + 0.5 > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise RendezvousError(
                 f"MASTER_ADDR={addr} ({ip}) port {port} is not reachable from this node after {wait_s:g}s "
                 f"({last}); check that node rank 0 is up and that MASTER_ADDR/MASTER_PORT are its address "
                 f"and port ({WAIT_ENV} sets the wait)")
-        time.sleep(0.5)
+        time.sleep(min(0.5, left))
 
 
 def check_master(nnodes: int, node_rank: int, addr: Optional[str], port: Optional[int],

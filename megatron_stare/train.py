@@ -331,8 +331,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Trainer(cfg).fit()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
-        # detected identically on every rank before any collective: one line from rank 0.
-        if int(os.environ.get("RANK", "0")) == 0:
+        # detected identically on every rank before any collective: one line from rank 0. A
+        # rendezvous error is a node's own (rank 0 may never see it): one line per node.
+        from megatron_stare.rendezvous import RendezvousError
+
+        first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
+        if int(os.environ.get(first, "0")) == 0:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     finally:

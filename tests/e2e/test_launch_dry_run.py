@@ -1,4 +1,5 @@
-"""The launch scripts' --dry-run on CPU: the plan prints, exit codes hold, scripts match the YAMLs.
+"""The launch scripts on CPU: --dry-run prints the plan, exit codes hold, scripts match the YAMLs,
+and a training launch that cannot meet its nodes or has a bad config stops before torchrun.
 
 The scripts run with a PATH whose ``python``/``python3`` is not the project's environment (a
 shim to a torch-less system python, or one that refuses to run), as after the README's setup:
@@ -11,8 +12,10 @@ torch import, so only the scripts' own paths run as subprocesses.
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,51 @@ def test_missing_environment_is_one_line(run, tmp_path):
     res = run("launch/train_32b_longcot.sh", "--dry-run", cwd=copy, VENV="")
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "has no torch; run scripts/bootstrap.sh" in res.stderr
+
+
+# ------------------------------------------------------------------------------ training preflight
+def _host_ip():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def _fails_fast(res, elapsed, needle, limit=30):
+    assert res.returncode == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
+    assert elapsed < limit, elapsed  # not torchrun's 600 s rendezvous wait
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({}, "error: rendezvous: NNODES=4 needs MASTER_ADDR"),
+    ({"MASTER_ADDR": "no-such-host.invalid"}, "error: rendezvous: MASTER_ADDR=no-such-host.invalid does not resolve"),
+    ({"MASTER_ADDR": "127.0.0.1"}, "is a loopback address"),
+])
+def test_multi_node_launch_without_a_usable_master_fails_fast(run, env, needle):
+    t0 = time.monotonic()
+    res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, **env)
+    _fails_fast(res, time.monotonic() - t0, needle)
+
+
+def test_unreachable_master_fails_after_the_bounded_wait(run):
+    ip = _host_ip()
+    if ip is None:
+        pytest.skip("no non-loopback address on this host")
+    with socket.socket() as s:  # a port nobody listens on: node 0 never came up
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, MASTER_ADDR=ip, MASTER_PORT=port, MASTER_WAIT_S=2)
+    elapsed = time.monotonic() - t0
+    _fails_fast(res, elapsed, f"port {port} is not reachable from this node after 2s")
+    assert elapsed >= 2
+    # Node 0 up: the rendezvous check passes and the config preflight runs next, still before
+    # torchrun; on this CPU machine without the 32B model, the config is not runnable: one line.
+    with socket.create_server((ip, 0)) as server:
+        res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, MASTER_ADDR=ip, MASTER_PORT=server.getsockname()[1])
+    _fails_fast(res, 0, "error: config: ")
+    assert "rendezvous" not in res.stderr

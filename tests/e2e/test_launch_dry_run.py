@@ -101,6 +101,8 @@ def test_slurm_maps_its_environment(run):
     res = run("launch/slurm_32b.sbatch", "--print-cmd", SLURM_JOB_NUM_NODES=2, SLURM_GPUS_ON_NODE=4)
     assert res.returncode == 0, res.stderr
     assert "--nnodes 2 " in res.stdout and "--nproc-per-node 4 " in res.stdout
+    # No MASTER_ADDR yet (the job sets it from its first host): the command leaves it to the shell.
+    assert '--master-addr "$MASTER_ADDR" ' in res.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

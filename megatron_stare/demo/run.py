@@ -2,15 +2,19 @@
 
 ``python -m megatron_stare.demo.run [--out runs/demo] [--seed 0] [--steps N] [--quick]``
 
+The quick version of the entropy study (``demo.study``, docs/study.md), on its task and settings:
+
 1. A tiny Qwen2-style model and byte-level BPE tokenizer, built offline (``<out>/base``).
-2. A supervised warm start on single-digit addition, stopped at partial sampled accuracy
-   (``demo.sft``; ``<out>/sft``, an HF checkpoint directory).
+2. A supervised warm start on ``pick_sum`` ("Pick 2 of 3 7 1 8 5 2 that sum to 9:" -> " 7+2"; several
+   correct answers per prompt), trained on a diverse set of correct answers and stopped at partial
+   sampled accuracy (``demo.warm_start``; ``<out>/sft``, an HF checkpoint directory).
 3. The start entropy H0 is measured by sampling the warm start like the rollout does;
-   STARE's target is ``--target-ratio * H0``.
-4. GRPO (``algorithm.policy_loss=vanilla``) and STARE from that same start, one after the other,
-   each through the real trainer: ``torchrun --nproc-per-node 2 -m megatron_stare.train`` with
-   ``examples/demo_cpu.yaml`` (TP=2 Megatron actor, the ``hf`` engine on rank 0 receiving the
-   resharded weights every step). Metrics: ``<out>/{grpo,stare}/metrics.jsonl`` + TensorBoard.
+   STARE's target is ``--target-ratio * H0`` (the study's ratio).
+4. GRPO and STARE (the study's tuned settings, ``study_methods``) from that same start, one after
+   the other, each through the real trainer: ``torchrun --nproc-per-node 2 -m megatron_stare.train``
+   with ``examples/study_cpu.yaml`` and ``parallel.tp=2`` (TP=2 Megatron actor, the ``hf`` engine on
+   rank 0 receiving the resharded weights every step). Metrics: ``<out>/{grpo,stare}/metrics.jsonl``
+   + TensorBoard; held-out pass@1 / pass@8 every ``steps/4`` steps.
 5. ``<out>/demo.png`` (entropy with the 0.7-1.3x target band, accuracy, mean response length,
    gate) and ``<out>/summary.json`` with the table printed at the end.
 
@@ -32,8 +36,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "demo_cpu.yaml"
-RUNS = (("GRPO", "vanilla"), ("STARE", "stare"))
+CONFIG = ROOT / "examples" / "study_cpu.yaml"
+RUNS = (("GRPO", "grpo"), ("STARE", "stare_c2"))
+"""(label, ``study_methods`` method) of the demo's two runs."""
 BAND = (0.7, 1.3)
 """The entropy band, as multiples of the target, that counts as 'held'."""
 PROGRESS_PREFIXES = ("step ", "[megatron-stare]")
@@ -46,14 +51,10 @@ PROGRESS_LINES = 20
 class DemoSettings:
     out: str = "runs/demo"
     seed: int = 0
-    steps: int = 300
+    steps: int = 250
     """RL steps of each run."""
-    target_ratio: float = 0.6
-    """STARE's target entropy as a multiple of the warm start's measured entropy H0."""
-    digits: int = 1
-    """Operand digits of the addition task."""
-    sft_rows: int = 2000
-    rl_rows: int = 512
+    target_ratio: float = 0.35
+    """STARE's target entropy as a multiple of the warm start's measured entropy H0 (the study's)."""
     quick: bool = False
     """CI-sized: a few SFT steps, tiny batches (for the e2e test; shows nothing)."""
     overrides: List[str] = field(default_factory=list)
@@ -66,57 +67,40 @@ def _log(msg: str) -> None:
 
 def prepare(s: DemoSettings) -> dict:
     """Build the base model, the data, and the warm start; measure H0 and the start accuracy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from megatron_stare.demo.warm_start import prepare_warm_start
 
-    from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
-    from megatron_stare.rewards.synthetic import make_task, write_jsonl
-    from megatron_stare.models.tiny import build_tiny_hf_model
-
-    out = Path(s.out)
-    base = build_tiny_hf_model("qwen2", out / "base", seed=s.seed)
-    task = dict(digits=s.digits)
-    sft_rows = make_task("add", s.sft_rows, seed=1000 + s.seed, **task)
-    probe_rows = make_task("add", 64, seed=2000 + s.seed, **task)
-    rl_rows = make_task("add", s.rl_rows, seed=3000 + s.seed, **task)
-    write_jsonl(rl_rows, str(out / "data" / "train.jsonl"))
-    sft = SftSettings(max_steps=10, eval_every=5, probe_prompts=16) if s.quick else SftSettings()
     t0 = time.perf_counter()
-    train_sft(str(base), str(out / "sft"), sft_rows, probe_rows, sft, seed=s.seed, log=_log)
-    import torch
-
-    torch.manual_seed(s.seed)
-    tok = AutoTokenizer.from_pretrained(out / "sft")
-    model = AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32)
-    # The start as the RL runs see it: RL prompts, 8 samples each at temperature 1.
-    n_prompts = 8 if s.quick else 64
-    start = measure_policy(model, tok, rl_rows[:n_prompts], seed=s.seed, samples_per_prompt=8)
-    info = {"sft_seconds": round(time.perf_counter() - t0, 1), "start_accuracy": start.accuracy,
-            "start_entropy": start.entropy, "start_mean_length": start.mean_length,
-            "target_entropy": round(s.target_ratio * start.entropy, 4)}
-    _log(f"warm start: sampled accuracy {start.accuracy:.2f}, entropy H0 {start.entropy:.3f} -> "
+    st = prepare_warm_start(Path(s.out), s.seed, quick=s.quick, eval_prompts=128, log=_log)
+    info = {"sft_seconds": round(time.perf_counter() - t0, 1), "start_accuracy": st["accuracy"],
+            "start_entropy": st["H0"], "start_mean_length": st["mean_length"],
+            "start_eval_pass@1": st["eval_pass@1"], "start_eval_pass@8": st["eval_pass@8"],
+            "target_entropy": round(s.target_ratio * st["H0"], 4)}
+    _log(f"warm start: sampled accuracy {st['accuracy']:.2f}, entropy H0 {st['H0']:.3f} -> "
          f"STARE target {info['target_entropy']:.3f} ({s.target_ratio} x H0)")
     return info
 
 
-def trainer_overrides(s: DemoSettings, policy_loss: str, target: float, log_dir: Path) -> List[str]:
+def trainer_overrides(s: DemoSettings, method: str, target: float, log_dir: Path) -> List[str]:
+    from megatron_stare.demo.study_methods import method_overrides
+
     out = Path(s.out)
-    ov = [f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
-          f"logging.dir={log_dir}", f"algorithm.policy_loss={policy_loss}",
-          f"algorithm.stare.target_entropy={target}", f"trainer.total_steps={s.steps}",
-          f"trainer.seed={s.seed + 1}", f"data.seed={s.seed}",
+    ov = ["parallel.tp=2", f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
+          f"data.eval_path={out / 'data' / 'eval.jsonl'}", f"logging.dir={log_dir}", "logging.tensorboard=true",
+          *method_overrides(method), f"algorithm.stare.target_entropy={target}", f"trainer.total_steps={s.steps}",
+          f"trainer.eval_every={max(1, s.steps // 4)}", f"trainer.seed={s.seed + 1}", f"data.seed={s.seed}",
           f"logging.log_every={max(1, s.steps // PROGRESS_LINES)}"]
     if s.quick:
         ov += ["trainer.prompts_per_step=4", "rollout.n=4", "logging.tensorboard=false"]
     return ov + list(s.overrides)
 
 
-def run_rl(s: DemoSettings, label: str, policy_loss: str, target: float) -> Path:
+def run_rl(s: DemoSettings, label: str, method: str, target: float) -> Path:
     """One RL run through torchrun (2 ranks) with STARE's target ``target``; returns its metrics.jsonl."""
     log_dir = Path(s.out) / label.lower()
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_stare.train", "--config", str(CONFIG),
-           *trainer_overrides(s, policy_loss, target, log_dir)]
+           *trainer_overrides(s, method, target, log_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TOKENIZERS_PARALLELISM": "false"}
     _log(f"{label}: {s.steps} steps (log: {log_dir / 'train.log'})")
@@ -140,7 +124,7 @@ def run_rl(s: DemoSettings, label: str, policy_loss: str, target: float) -> Path
 
 def summarize(rows: Sequence[dict], target: float) -> dict:
     """Entropy/accuracy summary of one run. 'Final' = mean over the last 10% of steps (>= 5),
-    since one step's entropy of 128 short responses is noisy. 'After gate' = from the first step
+    since one step's entropy of 128 short responses is noisy; pass@k: the last held-out evaluation. 'After gate' = from the first step
     whose entropy is below the target (the STARE gate's first firing) to the end."""
     from megatron_stare.metrics import ACCURACY, ENTROPY
 
@@ -158,18 +142,21 @@ def summarize(rows: Sequence[dict], target: float) -> dict:
         "frac_in_band_after_gate": sum(lo <= h <= hi for h in after) / len(after) if after else math.nan,
         "start_accuracy": statistics.fmean(acc[:tail]),
         "final_accuracy": statistics.fmean(acc[-tail:]),
+        "final_pass@1": next((float(r["eval/avg@8"]) for r in reversed(rows) if "eval/avg@8" in r), math.nan),
+        "final_pass@8": next((float(r["eval/pass@8"]) for r in reversed(rows) if "eval/pass@8" in r), math.nan),
     }
 
 
 def format_table(results: Dict[str, dict], target: float) -> str:
     head = (f"target entropy {target:.3f} (band {BAND[0] * target:.3f}-{BAND[1] * target:.3f})\n"
             f"{'run':<8}{'gate@':>7}{'H final':>9}{'H after gate':>14}{'in band':>9}"
-            f"{'acc start':>11}{'acc final':>11}")
+            f"{'acc start':>11}{'acc final':>11}{'held-out pass@1':>17}{'pass@8':>8}")
     lines = [head]
     for label, r in results.items():
         lines.append(f"{label:<8}{str(r['first_gate_step']):>7}{r['final_entropy']:>9.3f}"
                      f"{r['mean_entropy_after_gate']:>14.3f}{r['frac_in_band_after_gate']:>9.2f}"
-                     f"{r['start_accuracy']:>11.2f}{r['final_accuracy']:>11.2f}")
+                     f"{r['start_accuracy']:>11.2f}{r['final_accuracy']:>11.2f}{r['final_pass@1']:>17.2f}"
+                     f"{r['final_pass@8']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -183,7 +170,7 @@ def run_demo(s: DemoSettings) -> dict:
     target = start["target_entropy"]
     # GRPO's controller gets target 0 (entropy is never below it): its gate panel stays at 0,
     # and the STARE-only W/M logs stay at their initial values.
-    paths = {label: run_rl(s, label, loss, target if loss == "stare" else 0.0) for label, loss in RUNS}
+    paths = {label: run_rl(s, label, method, target if method.startswith("stare") else 0.0) for label, method in RUNS}
     png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
                     target_entropy=(BAND[0] * target, BAND[1] * target))
     results = {label: summarize(read_metrics(str(p)), target) for label, p in paths.items()}

@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,8 @@ from megatron_stare.metrics import format_duration
 from megatron_stare.rewards.synthetic import exact_match
 
 Row = Dict[str, str]
+ScoreFn = Callable[[str, str, dict], float]
+"""A reward function (``rewards.registry``): ``fn(response_text, answer, row) -> float``."""
 
 
 @dataclass
@@ -51,21 +53,33 @@ class SftSettings:
 @dataclass
 class PolicyStats:
     accuracy: float
-    """Fraction of sampled responses (temperature 1) that score 1 under ``exact_match``."""
+    """Fraction of sampled responses (temperature 1) that score > 0 under the task's reward."""
     entropy: float
     """Token-mean entropy (nats) of the sampled response tokens, EOS included."""
     mean_length: float
+    pass_at_k: float = float("nan")
+    """Fraction of prompts with at least one correct response among their ``samples_per_prompt``."""
+    distinct: float = float("nan")
+    """Mean number of distinct responses per prompt among its ``samples_per_prompt``."""
 
 
-def _encode(tok, row: Row) -> tuple:
+def sft_target(row: Row, rng: random.Random) -> str:
+    """The response the warm start fits for ``row``: one of its ``solutions`` (``|``-separated,
+    drawn at random each time, so the warm start sees a diverse set of correct answers), else
+    its ``answer``."""
+    sols = row.get("solutions")
+    return " " + (rng.choice(sols.split("|")) if sols else row["answer"])
+
+
+def _encode(tok, row: Row, rng: random.Random) -> tuple:
     prompt = tok(row["prompt"])["input_ids"]
-    target = tok(" " + row["answer"])["input_ids"] + [tok.eos_token_id]
+    target = tok(sft_target(row, rng))["input_ids"] + [tok.eos_token_id]
     return prompt, target
 
 
-def _batch(tok, rows: Sequence[Row]) -> tuple:
+def _batch(tok, rows: Sequence[Row], rng: random.Random) -> tuple:
     """Right-padded ``input_ids``/``labels``/``attention_mask`` ``[B, T]``; labels only on the answer."""
-    pairs = [_encode(tok, r) for r in rows]
+    pairs = [_encode(tok, r, rng) for r in rows]
     t = max(len(p) + len(a) for p, a in pairs)
     ids = torch.full((len(rows), t), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), t), -100, dtype=torch.long)
@@ -80,9 +94,11 @@ def _batch(tok, rows: Sequence[Row]) -> tuple:
 
 @torch.no_grad()
 def measure_policy(model, tok, rows: Sequence[Row], *, seed: int, samples_per_prompt: int = 1,
-                   max_new_tokens: int = 8, temperature: float = 1.0) -> PolicyStats:
+                   max_new_tokens: int = 8, temperature: float = 1.0,
+                   score_fn: Optional[ScoreFn] = None) -> PolicyStats:
     """Sample ``samples_per_prompt`` responses per row (left-padded batch, no KV cache: the
-    responses are a few tokens) and score them as the RL rollout does."""
+    responses are a few tokens) and score them as the RL rollout does (``score_fn``, default
+    ``exact_match``; the row's other keys are its metadata)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     prompts = [tok(r["prompt"])["input_ids"] for r in rows for _ in range(samples_per_prompt)]
@@ -113,15 +129,20 @@ def measure_policy(model, tok, rows: Sequence[Row], *, seed: int, samples_per_pr
         if bool(done.all()):
             break
     texts = tok.batch_decode(out, skip_special_tokens=True)
-    acc = sum(exact_match(t, a) for t, a in zip(texts, answers)) / b
+    fn = score_fn or exact_match
+    k = samples_per_prompt
+    correct = [fn(t, a, rows[i // k]) > 0 for i, (t, a) in enumerate(zip(texts, answers))]
     model.train()
-    return PolicyStats(accuracy=acc, entropy=ent_sum / max(ent_n, 1), mean_length=sum(map(len, out)) / b)
+    return PolicyStats(accuracy=sum(correct) / b, entropy=ent_sum / max(ent_n, 1), mean_length=sum(map(len, out)) / b,
+                       pass_at_k=sum(any(correct[i:i + k]) for i in range(0, b, k)) / len(rows),
+                       distinct=sum(len(set(texts[i:i + k])) for i in range(0, b, k)) / len(rows))
 
 
 def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows: Sequence[Row],
-              settings: SftSettings, *, seed: int, log=print) -> PolicyStats:
-    """Fit ``base_dir``'s model on ``train_rows``, stop at ``settings.stop_accuracy`` on
-    ``probe_rows``, write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats."""
+              settings: SftSettings, *, seed: int, log=print, score_fn: Optional[ScoreFn] = None) -> PolicyStats:
+    """Fit ``base_dir``'s model on ``train_rows`` (targets from ``sft_target``), stop at
+    ``settings.stop_accuracy`` on ``probe_rows`` (scored with ``score_fn``, default
+    ``exact_match``), write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -131,10 +152,11 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     rng = random.Random(seed)
     s = settings
-    stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed, max_new_tokens=s.max_new_tokens)
+    stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed, max_new_tokens=s.max_new_tokens,
+                           score_fn=score_fn)
     t0, step = time.perf_counter(), 0
     while step < s.max_steps and stats.accuracy < s.stop_accuracy:
-        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size))
+        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size), rng)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -143,7 +165,7 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
         step += 1
         if step % s.eval_every == 0 or step == s.max_steps:
             stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed + step,
-                                   max_new_tokens=s.max_new_tokens)
+                                   max_new_tokens=s.max_new_tokens, score_fn=score_fn)
             took = time.perf_counter() - t0
             # An upper bound: the run stops earlier once the probe reaches stop_accuracy.
             eta = format_duration(took / step * (s.max_steps - step))

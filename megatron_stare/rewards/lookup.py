@@ -1,6 +1,6 @@
 """``get_reward_fn``: a registered reward by name, or a user function by dotted path.
 
-``reward.fn`` in the config names either a built-in (``math``, ``exact_match``) or
+``reward.fn`` in the config names either a built-in (``math``, ``exact_match``, ``pick_sum``) or
 ``'pkg.module:function'`` / ``'pkg.module.function'``. Every lookup problem is one
 ``RewardError`` line, e.g.::
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-from megatron_stare.rewards import math_verify_reward, synthetic  # noqa: F401 - register the built-ins
+from megatron_stare.rewards import math_verify_reward, pick_sum, synthetic  # noqa: F401 - register the built-ins
 from megatron_stare.rewards.registry import REWARDS, RewardError, RewardFn
 
 

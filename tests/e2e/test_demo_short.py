@@ -44,7 +44,7 @@ def test_demo_quick(tmp_path):
     # Long work shows progress on the console (not only in the logs): the warm start's probes
     # and every RL step here (log_every = steps // 20 = 1) print a line with an ETA.
     console = proc.stdout.splitlines()
-    assert any(re.match(r"\[demo\] \[sft\] step 5/10 .*eta <= \d+", ln) for ln in console), proc.stdout
+    assert any(re.match(r"\[demo\] \[sft\] step 20/120 .*eta <= \d+", ln) for ln in console), proc.stdout
     for label in ("GRPO", "STARE"):
         steps = [int(m.group(1)) for ln in console
                  if (m := re.match(rf"\[demo\] {label} step (\d+)/3, eta \d+(m\d\ds)?s? \|", ln))]

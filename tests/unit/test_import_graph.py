@@ -106,7 +106,7 @@ def test_graph_is_built_from_real_imports():
     assert "megatron_stare.parallel" in g["megatron_stare.config_checks"]         # inside a function
     assert "megatron_stare.rollout.base" in g["megatron_stare.rollout.hf_engine"]  # from .base import
     assert "megatron_stare.rollout.hf_engine" in g["megatron_stare.rollout"]      # from . import hf_engine
-    assert "megatron_stare.models.tiny" in g["megatron_stare.demo.run"]
+    assert "megatron_stare.models.tiny" in g["megatron_stare.demo.warm_start"]
     assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 1}}) is None
 

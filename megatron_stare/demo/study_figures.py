@@ -1,0 +1,115 @@
+"""The entropy study's figures: one PNG per metric, every method on it, plus the theory check.
+
+Curves are the mean over seeds (per step; the entropy as a multiple of each seed's target so
+seeds with different targets average), smoothed with a ``SMOOTH``-step moving average, with the
+seeds' range shaded. Uses the Agg canvas directly (no global backend switch).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from megatron_stare.demo import study_methods as sm
+from megatron_stare.demo.study_report import WINDOW, pearson, theory_pairs
+from megatron_stare.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
+
+SMOOTH = 10
+#: file stem -> (metric key, title, per-step? (else: evaluation points), divide by the target?)
+FIGURES: Dict[str, Tuple[str, str, bool, bool]] = {
+    "entropy": (ENTROPY, "entropy / target (band 0.7-1.3x shaded)", True, True),
+    "accuracy": (ACCURACY, "training accuracy (rollouts, temperature 1)", True, False),
+    "pass1": ("eval/avg@8", "held-out pass@1 (mean of 8 samples)", False, False),
+    "pass8": ("eval/pass@8", "held-out pass@8", False, False),
+    "length": (RESPONSE_LENGTH, "mean response length (tokens)", True, False),
+}
+
+
+def _smooth(xs: Sequence[float], k: int) -> List[float]:
+    out, acc = [], []
+    for x in xs:
+        acc.append(x)
+        if len(acc) > k:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def _series(rows: Sequence[dict], key: str, scale: float) -> Tuple[List[int], List[float]]:
+    pts = [(r["step"], float(r[key]) / scale) for r in rows if key in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _figure(title: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int, float], out: Path) -> List[str]:
+    """``fig_<metric>.png`` under ``out`` for each of ``FIGURES`` and ``fig_theory.png``; returns the paths."""
+    paths = []
+    methods = [m for m in sm.METHODS if any(name == m.name for _, name in rows)]
+    for stem, (key, title, per_step, by_target) in FIGURES.items():
+        fig, ax = _figure(title)
+        for i, m in enumerate(methods):
+            runs = [(seed, rs) for (seed, name), rs in rows.items() if name == m.name]
+            curves = [_series(rs, key, targets[seed] if by_target else 1.0) for seed, rs in runs]
+            curves = [c for c in curves if c[0]]
+            if not curves:
+                continue
+            n = min(len(c[0]) for c in curves)
+            steps = curves[0][0][:n]
+            ys = [c[1][:n] for c in curves]
+            if per_step:
+                ys = [_smooth(y, SMOOTH) for y in ys]
+            mean = [sum(col) / len(col) for col in zip(*ys)]
+            style = "-" if m.name.startswith("stare") else "--"
+            color = f"C{i}"
+            ax.plot(steps, mean, style, color=color, lw=2 if m.name.startswith("stare") else 1.2, label=m.label,
+                    marker=None if per_step else "o", ms=3)
+            if len(ys) > 1:
+                ax.fill_between(steps, [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)], color=color, alpha=0.08)
+        if stem == "entropy":
+            ax.axhspan(0.7, 1.3, color="tab:green", alpha=0.12)
+            ax.axhline(1.0, color="k", lw=0.8, ls=":")
+            ax.axhline(0.5, color="tab:red", lw=0.8, ls=":")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = out / f"fig_{stem}.png"
+        fig.savefig(path)
+        paths.append(str(path))
+    paths.append(_plot_theory(rows, methods, out))
+    return paths
+
+
+def _plot_theory(rows, methods, out: Path) -> str:
+    fig, ax = _figure(f"theory check: predicted vs measured entropy change ({WINDOW}-step windows)")
+    for i, m in enumerate(methods):
+        xs, ys = [], []
+        for (seed, name), rs in rows.items():
+            if name == m.name:
+                x, y = theory_pairs(rs, WINDOW)
+                xs += x
+                ys += y
+        if xs:
+            r = pearson(xs, ys)
+            ax.scatter(xs, ys, s=8, color=f"C{i}", alpha=0.6,
+                       label=f"{m.label} (r = {'-' if math.isnan(r) else f'{r:.2f}'})")
+    ax.axhline(0, color="k", lw=0.6)
+    ax.axvline(0, color="k", lw=0.6)
+    ax.set_xlabel(f"sum of logged pred_dH over {WINDOW} steps (per unit step size)")
+    ax.set_ylabel("measured entropy change")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "fig_theory.png"
+    fig.savefig(path)
+    return str(path)

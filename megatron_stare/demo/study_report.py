@@ -1,0 +1,249 @@
+"""The entropy study's numbers: per-run summaries, the table, the goals, the theory check, figures.
+
+Definitions (docs/study.md):
+
+- **final** entropy / accuracy / length: mean over the last 10% of the steps (at least 5).
+- **in band**: among the steps from the first one whose entropy is below the target (the step at
+  which STARE's gate first fires; the same rule for every method) to the end, the fraction whose
+  entropy is within 0.7-1.3x the target. ``nan`` if entropy never fell below the target.
+- **pass@1 / pass@8**: held-out prompts, 8 samples each at temperature 1 (``eval/avg@8``,
+  ``eval/pass@8``), averaged over the evaluations of the last quarter of the run.
+- **theory check**: Pearson correlation between the logged predicted entropy change of step t
+  (``dynamics/pred_dH``, first order, per unit step size) and the measured one, H(t+1) - H(t);
+  per step, and over non-overlapping windows of ``WINDOW`` steps (sum of predictions vs change
+  over the window), which averages out the batch-to-batch noise of the measured entropy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from megatron_stare.demo import study_methods as sm
+from megatron_stare.metrics import ACCURACY, ENTROPY, GATE, RESPONSE_LENGTH, read_metrics
+
+BAND = (0.7, 1.3)
+WINDOW = 10
+QUADRANTS = ("frac_pos_high", "frac_pos_low", "frac_neg_high", "frac_neg_low")
+PASS1, PASS8 = "eval/avg@8", "eval/pass@8"
+COLUMNS = (("final_ratio", "H final / target", "{:.2f}"), ("in_band", "in band after gate", "{:.2f}"),
+           ("train_acc", "train acc", "{:.3f}"), ("pass1", "pass@1", "{:.3f}"), ("pass8", "pass@8", "{:.3f}"),
+           ("length", "resp. len", "{:.2f}"), ("corr_step", "corr(pred, dH) step", "{:.2f}"),
+           ("corr_window", f"corr {WINDOW}-step", "{:.2f}"))
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return math.nan
+    return statistics.correlation(list(xs), list(ys))
+
+
+def theory_pairs(rows: Sequence[dict], window: int = 1) -> Tuple[List[float], List[float]]:
+    """(predicted, measured) entropy changes over consecutive windows of ``window`` steps."""
+    pred = [float(r.get("dynamics/pred_dH", math.nan)) for r in rows]
+    ent = [float(r[ENTROPY]) for r in rows]
+    xs, ys = [], []
+    for i in range(0, len(rows) - window, window):
+        p = sum(pred[i:i + window])
+        if not math.isnan(p):
+            xs.append(p)
+            ys.append(ent[i + window] - ent[i])
+    return xs, ys
+
+
+def summarize_run(rows: Sequence[dict], target: float) -> dict:
+    """The table's numbers for one run's metrics rows (see the module docstring)."""
+    n = len(rows)
+    tail = max(5, n // 10)
+    ent = [float(r[ENTROPY]) for r in rows]
+    gate = [i for i, r in enumerate(rows) if float(r.get(GATE, 0)) > 0]
+    below = [i for i, h in enumerate(ent) if h < target]
+    first = gate[0] if gate else (below[0] if below else None)
+    after = ent[first:] if first is not None else []
+    lo, hi = BAND[0] * target, BAND[1] * target
+    evals = [(r["step"], float(r[PASS1]), float(r[PASS8])) for r in rows if PASS1 in r]
+    last_step = rows[-1]["step"] if rows else 0
+    late = [e for e in evals if e[0] > 0.75 * last_step] or evals[-1:]
+    out = {
+        "steps": n,
+        "first_gate_step": rows[first]["step"] if first is not None else None,
+        "final_entropy": _mean(ent[-tail:]),
+        "final_ratio": _mean(ent[-tail:]) / target if target > 0 else math.nan,
+        "in_band": sum(lo <= h <= hi for h in after) / len(after) if after else math.nan,
+        "train_acc": _mean([float(r[ACCURACY]) for r in rows[-tail:]]),
+        "pass1": _mean([e[1] for e in late]),
+        "pass8": _mean([e[2] for e in late]),
+        "length": _mean([float(r[RESPONSE_LENGTH]) for r in rows[-tail:]]),
+        "corr_step": pearson(*theory_pairs(rows, 1)),
+        "corr_window": pearson(*theory_pairs(rows, WINDOW)),
+        "final_w": float(rows[-1].get("stare/w", math.nan)) if rows else math.nan,
+        "final_m": float(rows[-1].get("stare/m", math.nan)) if rows else math.nan,
+    }
+    for q in QUADRANTS:
+        out[q] = _mean([float(r.get(f"dynamics/{q}", math.nan)) for r in rows])
+    out["pred_dH_mean"] = _mean([float(r.get("dynamics/pred_dH", math.nan)) for r in rows])
+    return out
+
+
+def goals(per_method: Mapping[str, dict]) -> Dict[str, Dict[str, bool]]:
+    """The issue's goals for one seed, for each STARE variant present: GRPO collapses (final
+    entropy below half the target), STARE holds (>= 80% of the steps after its gate in band),
+    STARE's training accuracy >= GRPO's and DAPO's, its held-out pass@8 > theirs."""
+    out: Dict[str, Dict[str, bool]] = {}
+    g, d = per_method.get("grpo"), per_method.get("dapo")
+    refs = [r for r in (g, d) if r is not None]
+    for name in ("stare_o1", "stare_c2"):
+        s = per_method.get(name)
+        if s is None:
+            continue
+        out[name] = {
+            "grpo_collapses": bool(g is not None and g["final_ratio"] < 0.5),
+            "stare_holds": bool(s["in_band"] >= 0.8),
+            "acc_at_least": all(s["train_acc"] >= r["train_acc"] for r in refs),
+            "pass8_higher": all(s["pass8"] > r["pass8"] for r in refs),
+        }
+    return out
+
+
+def _fmt(v: float, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
+
+
+def table_md(summaries: Mapping[int, Mapping[str, dict]], starts: Mapping[int, dict]) -> str:
+    """Markdown: one row per seed and method, then the mean +- sd over seeds per method."""
+    head = "| seed | method | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    for seed, per in summaries.items():
+        for name, r in per.items():
+            lines.append(f"| {seed} | {sm.BY_NAME[name].label} | " +
+                         " | ".join(_fmt(r[k], f) for k, _, f in COLUMNS) + " |")
+    if len(summaries) > 1:
+        names = [m.name for m in sm.METHODS if any(m.name in per for per in summaries.values())]
+        for name in names:
+            cells = []
+            for k, _, f in COLUMNS:
+                xs = [per[name][k] for per in summaries.values() if name in per and not math.isnan(per[name][k])]
+                sd = statistics.stdev(xs) if len(xs) > 1 else math.nan
+                cells.append(f"{_fmt(_mean(xs), f)} +- {_fmt(sd, f)}" if xs else "-")
+            lines.append(f"| mean | {sm.BY_NAME[name].label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def goals_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
+    keys = ("grpo_collapses", "stare_holds", "acc_at_least", "pass8_higher")
+    lines = ["| seed | STARE variant | GRPO < 0.5x target | STARE >= 80% in band | acc >= GRPO, DAPO "
+             "| pass@8 > GRPO, DAPO |", "|---|---|---|---|---|---|"]
+    per_seed = {seed: goals(per) for seed, per in summaries.items()}
+    for seed, gs in per_seed.items():
+        for name, g in gs.items():
+            lines.append(f"| {seed} | {sm.BY_NAME[name].label} | " + " | ".join("yes" if g[k] else "no" for k in keys) + " |")
+    if len(summaries) > 1:
+        mean = {name: {k: _mean([per[name][k] for per in summaries.values() if name in per])
+                       for k in ("final_ratio", "in_band", "train_acc", "pass8")}
+                for name in {n for per in summaries.values() for n in per}}
+        for name, g in goals(mean).items():
+            lines.append(f"| mean | {sm.BY_NAME[name].label} | " + " | ".join("yes" if g[k] else "no" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def diagnostics_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
+    """Mean over seeds of the quadrant fractions, pred_dH, the theory-check correlations and W/M."""
+    lines = ["| method | A>0, s>H (raises H) | A>0, s<=H (lowers) | A<0, s>H (lowers) | A<0, s<=H (raises) "
+             "| mean pred_dH | corr step | corr window | final W | final M |", "|" + "---|" * 10]
+    for m in sm.METHODS:
+        rs = [per[m.name] for per in summaries.values() if m.name in per]
+        if not rs:
+            continue
+        cells = [_fmt(_mean([r[q] for r in rs]), "{:.3f}") for q in QUADRANTS]
+        cells += [_fmt(_mean([r["pred_dH_mean"] for r in rs]), "{:.4f}"),
+                  _fmt(_mean([r["corr_step"] for r in rs]), "{:.2f}"), _fmt(_mean([r["corr_window"] for r in rs]), "{:.2f}")]
+        stare = m.name.startswith("stare")
+        cells += [_fmt(_mean([r["final_w"] for r in rs]), "{:.2f}") if stare else "-",
+                  _fmt(_mean([r["final_m"] for r in rs]), "{:.2f}") if stare and m.name.endswith("c2") else "-"]
+        lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_runs(runs: Mapping[Tuple[int, str], str]) -> Dict[Tuple[int, str], List[dict]]:
+    return {k: read_metrics(str(Path(d) / "metrics.jsonl")) for k, d in runs.items()}
+
+
+def write_report(s, starts: Mapping[int, dict], rows: Mapping[Tuple[int, str], List[dict]],
+                 runs: Mapping[Tuple[int, str], str], figs: Sequence[str], wall_seconds: float) -> dict:
+    """``study.md`` and ``study.json`` under ``s.out``; prints the report. ``rows``: (seed, method)
+    -> metrics rows of the run in directory ``runs[(seed, method)]``; ``figs``: the figures' paths."""
+    summaries: Dict[int, Dict[str, dict]] = {}
+    for (seed, name), rs in rows.items():
+        summaries.setdefault(seed, {})[name] = summarize_run(rs, s.target_ratio * starts[seed]["H0"])
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_seconds = {f"{seed}/{name}": json.loads((Path(d) / "done.json").read_text()).get("seconds")
+                   for (seed, name), d in runs.items() if (Path(d) / "done.json").is_file()}
+    starts_md = "\n".join(f"- seed {k}: H0 {v['H0']:.3f}, target {s.target_ratio * v['H0']:.3f} ({s.target_ratio} x H0), "
+                          f"warm-start accuracy {v['accuracy']:.2f} (pass@8 {v['pass@8']:.2f}), held-out pass@1 "
+                          f"{v['eval_pass@1']:.2f} pass@8 {v['eval_pass@8']:.2f}" for k, v in starts.items())
+    md = (f"# Entropy study ({len(starts)} seed(s), {s.steps if not s.quick else 3} steps per run)\n\n"
+          f"Warm starts:\n{starts_md}\n\n## Table\n\n{table_md(summaries, starts)}\n\n## Goals\n\n"
+          f"{goals_md(summaries)}\n\n## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
+          f"Wall time: {wall_seconds / 60:.1f} min for this invocation (runs already done are not re-run).\n")
+    (out / "study.md").write_text(md)
+    report = {"starts": {str(k): v for k, v in starts.items()},
+              "summaries": {str(k): v for k, v in summaries.items()},
+              "goals": {str(k): goals(v) for k, v in summaries.items()}, "figures": list(figs),
+              "run_seconds": run_seconds, "wall_seconds": round(wall_seconds, 1)}
+    (out / "study.json").write_text(json.dumps(report, indent=2, default=str))
+    print(md, flush=True)
+    return report
+
+
+def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
+    """``tuning_<stage>.md``: every grid point's numbers and its selection score; the winners marked.
+    ``runs``: ``RunSpec`` -> run directory (seed 0)."""
+    by_method: Dict[str, List[Tuple[str, tuple, dict]]] = {}
+    for spec, d in runs.items():
+        r = summarize_run(read_metrics(str(Path(d) / "metrics.jsonl")), s.target_ratio * start["H0"])
+        r["score"] = (r["pass1"] + r["pass8"]) / 2
+        r["diverged"] = r["train_acc"] < start["accuracy"]
+        group = "shared (GRPO)" if spec.label.startswith("shared") else spec.method
+        by_method.setdefault(group, []).append((spec.label, spec.overrides, r))
+    lines = [f"# Tuning on seed 0 (H0 {start['H0']:.3f}, target {s.target_ratio * start['H0']:.3f}, warm-start accuracy "
+             f"{start['accuracy']:.2f})\n", "Selection score: mean of held-out pass@1 and pass@8 over the last "
+             "quarter's evaluations; a run whose final training accuracy is below the warm start's counts as "
+             "diverged and is not eligible.\n"]
+    for group, items in by_method.items():
+        ok = [it for it in items if not it[2]["diverged"]] or items
+        best = max(ok, key=lambda it: it[2]["score"])[0]
+        lines += [f"\n## {group}\n", "| point | knobs | H final / target | in band | train acc | pass@1 | pass@8 | score |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for label, ov, r in items:
+            skip = set(sm.BY_NAME[_method_of(label)].base) | (set() if label.startswith("shared") else set(sm.SHARED))
+            knobs = " ".join(_short(o) for o in ov if o not in skip)
+            mark = " **chosen**" if label == best else (" (diverged)" if r["diverged"] else "")
+            lines.append(f"| {label}{mark} | {knobs} | {_fmt(r['final_ratio'], '{:.2f}')} | {_fmt(r['in_band'], '{:.2f}')} "
+                         f"| {r['train_acc']:.3f} | {r['pass1']:.3f} | {r['pass8']:.3f} | {r['score']:.3f} |")
+    md = "\n".join(lines) + "\n"
+    Path(s.out).mkdir(parents=True, exist_ok=True)
+    (Path(s.out) / f"tuning_{stage}.md").write_text(md)
+    print(md, flush=True)
+    return {"groups": {g: [(lab, list(ov), r) for lab, ov, r in it] for g, it in by_method.items()}}
+
+
+def _short(override: str) -> str:
+    """``algorithm.stare.w_max=10`` -> ``w_max=10``."""
+    key, _, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}={value}"
+
+
+def _method_of(label: str) -> str:
+    """``shared3`` -> ``grpo``, ``stare_o12`` -> ``stare_o1`` (a tuning point's method)."""
+    if label.startswith("shared"):
+        return "grpo"
+    return label.rstrip("0123456789")

@@ -1,0 +1,66 @@
+"""The pick_sum warm start shared by the demo and the study: base model, data, SFT, H0.
+
+``prepare_warm_start(d, seed)`` writes under ``d``: ``base/`` (a tiny random-init Qwen2-style model
+and its locally trained BPE tokenizer), ``data/train.jsonl`` (RL prompts) and ``data/eval.jsonl``
+(held-out prompts: digit lists and targets that neither the warm start nor RL trains on),
+``sft/`` (the warm start: supervised on a diverse set of correct answers - each step draws one of
+a prompt's solutions at random - and stopped once its sampled accuracy on 64 probe prompts
+reaches ``stop_accuracy``), and ``start.json`` (H0 and the start's accuracy, pass@8, measured the
+way the rollout and the evaluation sample: temperature 1, 8 samples per prompt). Cached: a
+directory whose ``start.json`` has the same seed (and quick flag) is reused as is.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+TASK = dict(length=6, terms=2, min_solutions=2)
+"""``pick_sum``: 6 distinct digits offered, pick 2 that sum to N; >= 2 unordered pairs do."""
+REWARD = "pick_sum"
+
+
+def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts: int = 256,
+                       stop_accuracy: float = 0.3, log: Callable[[str], None] = print) -> dict:
+    """Build (or reuse) everything under ``d`` for ``seed``; returns ``start.json``'s content."""
+    d = Path(d)
+    if (d / "start.json").is_file():
+        cached = json.loads((d / "start.json").read_text())
+        if cached.get("seed") == seed and cached.get("quick") == quick:
+            return cached
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
+    from megatron_stare.models.tiny import build_tiny_hf_model
+    from megatron_stare.rewards import get_reward_fn, make_task, write_jsonl
+
+    t0 = time.perf_counter()
+    score = get_reward_fn(REWARD)
+    base = build_tiny_hf_model("qwen2", d / "base", seed=seed)
+    sft_rows = make_task("pick_sum", 1000 if quick else 5000, seed=1000 + seed, **TASK)
+    probe = make_task("pick_sum", 64, seed=2000 + seed, **TASK)
+    train = make_task("pick_sum", 2000, seed=3000 + seed, **TASK)
+    seen = {r["prompt"] for r in sft_rows + train}
+    held = [r for r in make_task("pick_sum", 2 * eval_prompts, seed=4000 + seed, **TASK) if r["prompt"] not in seen]
+    n_eval = 16 if quick else eval_prompts
+    write_jsonl(train, str(d / "data" / "train.jsonl"))
+    write_jsonl(held[:n_eval], str(d / "data" / "eval.jsonl"))
+    # SFT lr 1e-3: at 3e-3 the tiny model sat on a plateau for ~1000 steps (docs/study.md).
+    # Quick: just long enough that some responses are correct (rewards vary inside groups).
+    cfg = (SftSettings(max_steps=120, eval_every=20, probe_prompts=16, lr=1e-3, stop_accuracy=0.15) if quick else
+           SftSettings(max_steps=1500, eval_every=10, probe_prompts=64, lr=1e-3, stop_accuracy=stop_accuracy))
+    train_sft(str(base), str(d / "sft"), sft_rows, probe, cfg, seed=seed, log=log, score_fn=score)
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(d / "sft")
+    model = AutoModelForCausalLM.from_pretrained(d / "sft", dtype=torch.float32)
+    n = 8 if quick else 64
+    st = measure_policy(model, tok, train[:n], seed=seed, samples_per_prompt=8, score_fn=score)
+    ev = measure_policy(model, tok, held[:n_eval], seed=seed, samples_per_prompt=8, score_fn=score)
+    start = {"seed": seed, "quick": quick, "H0": st.entropy, "accuracy": st.accuracy, "pass@8": st.pass_at_k,
+             "distinct@8": st.distinct, "eval_pass@1": ev.accuracy, "eval_pass@8": ev.pass_at_k,
+             "mean_length": st.mean_length, "seconds": round(time.perf_counter() - t0, 1)}
+    (d / "start.json").write_text(json.dumps(start, indent=2))
+    return start

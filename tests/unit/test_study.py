@@ -1,0 +1,133 @@
+"""The entropy study's task (pick_sum), its summary numbers, goals, and run bookkeeping."""
+
+import itertools
+import math
+
+import pytest
+
+from megatron_stare.demo import study_methods as sm
+from megatron_stare.demo.sft import sft_target
+from megatron_stare.demo.study import RunSpec, StudySettings, run_key, study_specs, tuning_specs
+from megatron_stare.demo.study_report import goals, pearson, summarize_run, theory_pairs
+from megatron_stare.rewards import get_reward_fn, make_task
+from megatron_stare.rewards.pick_sum import parse_response, pick_sum_reward
+
+
+# ------------------------------------------------------------------------------------------------ task
+def test_pick_sum_rows_are_deterministic_and_solutions_are_exactly_the_correct_responses():
+    rows = make_task("pick_sum", 50, seed=7)
+    assert rows == make_task("pick_sum", 50, seed=7) and rows != make_task("pick_sum", 50, seed=8)
+    assert get_reward_fn("pick_sum") is pick_sum_reward
+    for r in rows:
+        digits = [int(c) for c in r["digits"].split()]
+        assert len(set(digits)) == 6 and r["prompt"].endswith(f"sum to {r['answer']}:")
+        # Brute force over every "a+b" response: the reward accepts exactly the listed solutions.
+        correct = {f"{a}+{b}" for a, b in itertools.product(range(10), repeat=2)
+                   if pick_sum_reward(f" {a}+{b}", r["answer"], r) == 1.0}
+        assert correct == set(r["solutions"].split("|"))
+        assert len(correct) >= 4  # >= 2 unordered pairs, both orders
+
+
+def test_pick_sum_three_terms_and_rejections():
+    r = make_task("pick_sum", 1, seed=0, length=7, terms=3, min_solutions=2)[0]
+    sols = r["solutions"].split("|")
+    assert len(sols) >= 12 and all(pick_sum_reward(s, r["answer"], r) == 1.0 for s in sols)
+    a, b, c = (int(x) for x in sols[0].split("+"))
+    assert pick_sum_reward(f"{a}+{b}", r["answer"], r) == 0.0  # too few terms
+    row = {"digits": "1 2 3 4 5 6", "terms": "2"}
+    assert pick_sum_reward(" 4+5", "9", row) == 1.0 and pick_sum_reward("4 + 5\n", "9", row) == 1.0
+    for bad in ("5+4+0", "0+9", "7+2", "4+4", "9", "4+5.", "4+5 then 3", "", "4+5" + " " * 100):
+        assert pick_sum_reward(bad, "9" if bad != "4+4" else "8", row) == 0.0, bad
+    assert pick_sum_reward("4+5", "9", {}) == 0.0  # no offered digits: nothing is correct
+    assert parse_response(" 1 + 2+3 ") == [1, 2, 3] and parse_response("12+3") is None
+    with pytest.raises(ValueError, match="terms"):
+        make_task("pick_sum", 1, seed=0, length=3, terms=4)
+
+
+def test_sft_target_draws_every_solution():
+    import random
+
+    row = make_task("pick_sum", 1, seed=3)[0]
+    rng = random.Random(0)
+    drawn = {sft_target(row, rng) for _ in range(200)}
+    assert drawn == {" " + s for s in row["solutions"].split("|")}
+    assert sft_target({"answer": "7"}, rng) == " 7"
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def _rows(ent, acc=None, gate=None, pred=None, evals=None):
+    rows = []
+    for i, h in enumerate(ent):
+        r = {"step": i + 1, "stare/entropy": h, "reward/accuracy": (acc or [0.5] * len(ent))[i],
+             "response/mean_length": 5.0, "dynamics/pred_dH": (pred or [0.0] * len(ent))[i]}
+        if gate is not None:
+            r["stare/gate"] = gate[i]
+        if evals and i + 1 in evals:
+            r["eval/avg@8"], r["eval/pass@8"] = evals[i + 1]
+        rows.append(r)
+    return rows
+
+
+def test_summary_band_after_first_below_target_and_late_evals():
+    target = 0.2
+    # Steps 1-4 above target, from step 5: 0.19 (in band), 0.1 (below 0.14), 0.25 (in), 0.3 (above 0.26) ...
+    ent = [0.6, 0.5, 0.4, 0.3, 0.19, 0.1, 0.25, 0.3, 0.2, 0.2]
+    evals = {4: (0.1, 0.2), 8: (0.3, 0.5), 10: (0.5, 0.9)}
+    r = summarize_run(_rows(ent, evals=evals), target)
+    assert r["first_gate_step"] == 5
+    assert r["in_band"] == pytest.approx(4 / 6)  # 0.19, 0.25, 0.2, 0.2 of the 6 steps from step 5
+    assert r["final_entropy"] == pytest.approx(sum(ent[-5:]) / 5)  # the last max(5, 10%) steps
+    assert r["final_ratio"] == pytest.approx(r["final_entropy"] / target)
+    assert (r["pass1"], r["pass8"]) == (pytest.approx(0.4), pytest.approx(0.7))  # steps 8 and 10: the last quarter
+    # With a gate log, the band counts from the gate's first firing.
+    gate = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert summarize_run(_rows(ent, gate=gate), target)["in_band"] == pytest.approx(3 / 4)
+    assert math.isnan(summarize_run(_rows([0.5] * 10), target)["in_band"])  # never below target
+
+
+def test_theory_check_correlation():
+    import random
+
+    rng = random.Random(0)
+    ent = [1.0]
+    pred = []
+    for _ in range(60):
+        pred.append(rng.uniform(-0.01, 0.01))
+        ent.append(ent[-1] + 3 * pred[-1])  # the measured change is exactly 3x the prediction
+    rows = _rows(ent[:-1], pred=pred)
+    xs, ys = theory_pairs(rows, 1)
+    assert ys == pytest.approx([3 * x for x in xs])
+    r = summarize_run(rows, 0.5)
+    assert r["corr_step"] == pytest.approx(1.0) and r["corr_window"] == pytest.approx(1.0)
+    assert pearson(xs, [-y for y in ys]) == pytest.approx(-1.0)
+    assert math.isnan(pearson([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+
+
+def test_goals_per_seed():
+    def s(ratio, band, acc, p8):
+        return {"final_ratio": ratio, "in_band": band, "train_acc": acc, "pass8": p8}
+
+    per = {"grpo": s(0.3, 0.1, 0.70, 0.80), "dapo": s(0.4, 0.2, 0.72, 0.82),
+           "stare_o1": s(0.9, 0.85, 0.72, 0.90), "stare_c2": s(1.0, 0.79, 0.71, 0.95)}
+    g = goals(per)
+    assert g["stare_o1"] == {"grpo_collapses": True, "stare_holds": True, "acc_at_least": True, "pass8_higher": True}
+    assert g["stare_c2"] == {"grpo_collapses": True, "stare_holds": False, "acc_at_least": False, "pass8_higher": True}
+    per["grpo"]["final_ratio"] = 0.5  # not strictly below half the target
+    per["dapo"]["pass8"] = 0.90       # a tie is not higher
+    assert goals(per)["stare_o1"]["grpo_collapses"] is False and goals(per)["stare_o1"]["pass8_higher"] is False
+
+
+# ------------------------------------------------------------------------------------------------ bookkeeping
+def test_grids_equal_size_and_runs_keyed_by_their_settings(monkeypatch):
+    sm.check_grids()
+    assert {m.name for m in sm.METHODS} == set(sm.GRIDS) == set(sm.CHOSEN)
+    s = StudySettings(seeds=[0, 1])
+    specs = study_specs(s)
+    assert len(specs) == 2 * len(sm.METHODS) and len({(x.seed, run_key(x)) for x in specs}) == len(specs)
+    # The study's seed-0 run of a method is its chosen tuning point: same directory, run once.
+    tuned = {run_key(x) for x in tuning_specs(s, "methods")}
+    assert all(run_key(x) in tuned for x in specs if x.seed == 0)
+    assert run_key(RunSpec(0, "grpo", ("a=1",))) != run_key(RunSpec(0, "grpo", ("a=2",)))
+    monkeypatch.setitem(sm.GRIDS, "gepo", sm.GRIDS["gepo"][:3])  # a smaller grid is refused
+    with pytest.raises(ValueError, match="'gepo'.*4 points"):
+        sm.check_grids()

@@ -139,13 +139,27 @@ def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
     log(f"seed {spec.seed} {_name(spec)}: start ({rd.name})")
     with open(rd / "train.log", "w") as f:
         code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    if code != 0:
+    stopped = None if code == 0 else ran_dry(rd)
+    if code != 0 and stopped is None:
         tail = (rd / "train.log").read_text()[-2000:]
         raise RuntimeError(f"seed {spec.seed} {_name(spec)} failed (exit {code}); log {rd / 'train.log'}:\n{tail}")
     wall = round(time.perf_counter() - t0, 1)
-    done.write_text(json.dumps({"args": args, "method": spec.method, "seconds": wall}, indent=2))
-    log(f"seed {spec.seed} {_name(spec)}: done in {wall:.0f}s")
+    done.write_text(json.dumps({"args": args, "method": spec.method, "seconds": wall, "stopped": stopped}, indent=2))
+    log(f"seed {spec.seed} {_name(spec)}: done in {wall:.0f}s" + (f" (stopped: {stopped})" if stopped else ""))
     return rd
+
+
+def ran_dry(rd: Path) -> Optional[str]:
+    """Why a run ended early as a *result* rather than a failure, or None: DAPO's dynamic sampling
+    finds no prompt group with mixed rewards in ``trainer.max_gen_batches`` draws once the policy
+    has collapsed (every group all right or all wrong), and the trainer stops there (as verl's DAPO
+    does). The steps until then are the run's result; the report marks the run as stopped."""
+    marker = "no informative prompt groups after"
+    log_text = (rd / "train.log").read_text(errors="replace") if (rd / "train.log").is_file() else ""
+    line = next((ln for ln in log_text.splitlines() if marker in ln and "RuntimeError: " in ln), None)
+    if line is None or not (rd / "metrics.jsonl").is_file():
+        return None
+    return line.split("RuntimeError: ", 1)[1].strip()
 
 
 def run_all(s: StudySettings, specs: Sequence[RunSpec], starts: Dict[int, dict]) -> Dict[RunSpec, Path]:

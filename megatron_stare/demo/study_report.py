@@ -185,20 +185,24 @@ def write_report(s, starts: Mapping[int, dict], rows: Mapping[Tuple[int, str], L
         summaries.setdefault(seed, {})[name] = summarize_run(rs, s.target_ratio * starts[seed]["H0"])
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
-    run_seconds = {f"{seed}/{name}": json.loads((Path(d) / "done.json").read_text()).get("seconds")
-                   for (seed, name), d in runs.items() if (Path(d) / "done.json").is_file()}
+    done = {(seed, name): json.loads((Path(d) / "done.json").read_text())
+            for (seed, name), d in runs.items() if (Path(d) / "done.json").is_file()}
+    run_seconds = {f"{seed}/{name}": v.get("seconds") for (seed, name), v in done.items()}
+    stopped = "".join(f"- seed {seed} {sm.BY_NAME[name].label} stopped early ({v['stopped']}): its numbers are "
+                      f"those of the steps it ran.\n" for (seed, name), v in done.items() if v.get("stopped"))
     starts_md = "\n".join(f"- seed {k}: H0 {v['H0']:.3f}, target {s.target_ratio * v['H0']:.3f} ({s.target_ratio} x H0), "
                           f"warm-start accuracy {v['accuracy']:.2f} (pass@8 {v['pass@8']:.2f}), held-out pass@1 "
                           f"{v['eval_pass@1']:.2f} pass@8 {v['eval_pass@8']:.2f}" for k, v in starts.items())
     md = (f"# Entropy study ({len(starts)} seed(s), {s.steps if not s.quick else 3} steps per run)\n\n"
-          f"Warm starts:\n{starts_md}\n\n## Table\n\n{table_md(summaries, starts)}\n\n## Goals\n\n"
+          f"Warm starts:\n{starts_md}\n\n## Table\n\n{table_md(summaries, starts)}\n\n{stopped}\n## Goals\n\n"
           f"{goals_md(summaries)}\n\n## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
           f"Wall time: {wall_seconds / 60:.1f} min for this invocation (runs already done are not re-run).\n")
     (out / "study.md").write_text(md)
     report = {"starts": {str(k): v for k, v in starts.items()},
               "summaries": {str(k): v for k, v in summaries.items()},
               "goals": {str(k): goals(v) for k, v in summaries.items()}, "figures": list(figs),
-              "run_seconds": run_seconds, "wall_seconds": round(wall_seconds, 1)}
+              "run_seconds": run_seconds, "stopped": {f"{k[0]}/{k[1]}": v.get("stopped") for k, v in done.items()},
+              "wall_seconds": round(wall_seconds, 1)}
     (out / "study.json").write_text(json.dumps(report, indent=2, default=str))
     print(md, flush=True)
     return report
@@ -212,6 +216,7 @@ def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
         r = summarize_run(read_metrics(str(Path(d) / "metrics.jsonl")), s.target_ratio * start["H0"])
         r["score"] = (r["pass1"] + r["pass8"]) / 2
         r["diverged"] = r["train_acc"] < start["accuracy"]
+        r["stopped"] = json.loads((Path(d) / "done.json").read_text()).get("stopped")
         group = "shared (GRPO)" if spec.label.startswith("shared") else spec.method
         by_method.setdefault(group, []).append((spec.label, spec.overrides, r))
     lines = [f"# Tuning on seed 0 (H0 {start['H0']:.3f}, target {s.target_ratio * start['H0']:.3f}, warm-start accuracy "
@@ -227,6 +232,7 @@ def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
             skip = set(sm.BY_NAME[_method_of(label)].base) | (set() if label.startswith("shared") else set(sm.SHARED))
             knobs = " ".join(_short(o) for o in ov if o not in skip)
             mark = " **chosen**" if label == best else (" (diverged)" if r["diverged"] else "")
+            mark += f" (stopped: {r['stopped']})" if r["stopped"] else ""
             lines.append(f"| {label}{mark} | {knobs} | {_fmt(r['final_ratio'], '{:.2f}')} | {_fmt(r['in_band'], '{:.2f}')} "
                          f"| {r['train_acc']:.3f} | {r['pass1']:.3f} | {r['pass8']:.3f} | {r['score']:.3f} |")
     md = "\n".join(lines) + "\n"

@@ -131,3 +131,18 @@ def test_grids_equal_size_and_runs_keyed_by_their_settings(monkeypatch):
     monkeypatch.setitem(sm.GRIDS, "gepo", sm.GRIDS["gepo"][:3])  # a smaller grid is refused
     with pytest.raises(ValueError, match="'gepo'.*4 points"):
         sm.check_grids()
+
+
+def test_a_run_that_ran_dry_is_a_result_and_other_failures_are_not(tmp_path):
+    from megatron_stare.demo.study import ran_dry
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "train.log").write_text(
+        '[rank0]:     raise RuntimeError(f"step {step}: no informative prompt groups after "\n'
+        "[rank0]: RuntimeError: step 332: no informative prompt groups after 10 generation batches\n")
+    assert ran_dry(tmp_path) == "step 332: no informative prompt groups after 10 generation batches"
+    (tmp_path / "train.log").write_text("[rank0]: RuntimeError: CUDA out of memory\n")
+    assert ran_dry(tmp_path) is None
+    (tmp_path / "train.log").write_text("[rank0]: RuntimeError: step 3: no informative prompt groups after 1 x\n")
+    (tmp_path / "metrics.jsonl").unlink()
+    assert ran_dry(tmp_path) is None  # no steps ran: nothing to report, a failure

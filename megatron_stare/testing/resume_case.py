@@ -11,7 +11,8 @@
 ``break_load`` (test-only, in the spawned ranks) breaks the resume on purpose so that the tests
 can show they catch it: ``"param_state"`` leaves the distributed optimizer's parameter state
 (Adam moments and fp32 main params) out of the load, ``"main_params"`` skips refreshing the main
-params from the loaded weights (which matters for the weights-only resume, ``load_optimizer=False``).
+params from the loaded weights (which matters for the weights-only resume, ``load_optimizer=False``),
+``"adam_steps"`` leaves Adam's step counts as megatron-core's torch-Adam load sets them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _break(kind: Optional[str]) -> None:
         dist_ckpt._optimizer_sharded_state_dict = without_param_state
     elif kind == "main_params":
         dist_ckpt.reload_main_params = lambda optimizer: None
+    elif kind == "adam_steps":
+        dist_ckpt._restore_adam_steps = lambda optimizer: None
     elif kind is not None:
         raise ValueError(f"unknown break_load {kind!r}")
 

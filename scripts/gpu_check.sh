@@ -45,7 +45,11 @@ while [ $# -gt 0 ]; do
 done
 
 say() { echo "[gpu-check] $*"; }
-has() { PYTHONPATH="$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import $1" >/dev/null 2>&1; }
+# imports: the module imports (megatron-core, pytest); has: it is installed (engines: importing
+# vLLM alone takes many seconds).
+imports() { PYTHONPATH="$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import $1" >/dev/null 2>&1; }
+has() { PYTHONPATH="$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
+          "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" >/dev/null 2>&1; }
 start=$(date +%s)
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -74,7 +78,7 @@ install_wheel() {  # wheel file -> $DEPS_DIR, with pip when present, else by unp
     "$PY" -m zipfile -e "$1" "$DEPS_DIR"
   fi && say "installed $(basename "$1")"
 }
-if has megatron.core; then
+if imports megatron.core; then
   say "megatron-core: present"
 else
   whl=$(ls "$WHEELS"/megatron_core-0.16.1-cp"$PYV"-cp"$PYV"-*.whl 2>/dev/null | head -1)
@@ -84,13 +88,13 @@ else
     exit 2
   fi
   install_wheel "$whl" || exit 2
-  if [ "$DRY" = 0 ] && ! has megatron.core; then
+  if [ "$DRY" = 0 ] && ! imports megatron.core; then
     say "megatron-core from $whl does not import:"
     PYTHONPATH="$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import megatron.core" 2>&1 | tail -1
     exit 2
   fi
 fi
-if has pytest; then
+if imports pytest; then
   say "pytest: present"
 else
   for w in "$WHEELS"/pytest-*.whl "$WHEELS"/pluggy-*.whl "$WHEELS"/iniconfig-*.whl "$WHEELS"/pygments-*.whl; do

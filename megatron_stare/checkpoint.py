@@ -170,7 +170,8 @@ def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool
         raise CheckpointError(f"checkpoint {d} is incomplete or damaged (no valid {COMPLETE} manifest)")
     load_model(actor.model, d / "model", spec)
     if not load_optimizer:
-        reload_main_params(actor.optimizer)
+        if actor.optimizer is not None:
+            reload_main_params(actor.optimizer)
         return json.loads((d / STATE).read_text())
     if not (d / "optimizer").is_dir():
         raise CheckpointError(f"checkpoint {d} has no optimizer/ state (an older format); resume "

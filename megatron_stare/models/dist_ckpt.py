@@ -246,7 +246,7 @@ def _restore_adam_steps(optimizer) -> None:
     state, and the ``dp_reshardable`` parameter-state load copies into it the loading side's own
     placeholder step (a non-persistent entry), i.e. 0. Left so, Adam's bias correction restarts
     after a resume, and torch's foreach Adam would increment the shared tensor once per
-    parameter. Each parameter gets a fresh float32 tensor holding the saved count.
+    parameter. Each parameter gets a fresh tensor (same dtype and device) holding the saved count.
     """
     for _, inner in _torch_adams(optimizer):
         for group in inner.param_groups:
@@ -254,7 +254,10 @@ def _restore_adam_steps(optimizer) -> None:
                 continue
             for p in group["params"]:
                 if p in inner.state:
-                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+                    old = inner.state[p].get("step")
+                    where = ({"dtype": old.dtype, "device": old.device} if isinstance(old, torch.Tensor)
+                             else {"dtype": torch.float32})
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), **where)
 
 
 def _allocate_torch_adam_state(optimizer) -> None:

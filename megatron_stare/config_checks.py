@@ -167,7 +167,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(p.dp, 1),
                                     sequence_parallel=p.sequence_parallel,
                                     distributed_optimizer=p.distributed_optimizer)
-        layout.validate(shape=shape, cuda=cuda)
+        layout.validate(shape=shape)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if spec is not None:

@@ -23,7 +23,8 @@ class ParallelConfig:
     pp: int = num(1, ge=1)
     """Pipeline-parallel degree, >= 1; must divide the layer count."""
     cp: int = num(1, ge=1)
-    """Context-parallel degree, >= 1 (> 1: GPU with transformer-engine only)."""
+    """Context-parallel degree, >= 1; each sequence is cut into 2*cp load-balanced chunks
+    (transformer-engine's attention on CUDA, the torch attention elsewhere)."""
     dp: int = num(0, ge=0)
     """Data-parallel degree, >= 0; 0 = world_size / (tp*pp*cp)."""
     sequence_parallel: bool = False
@@ -32,9 +33,13 @@ class ParallelConfig:
     """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
     recompute: Optional[Literal["full", "selective"]] = None
     """Activation recompute granularity passed to megatron-core; null = none."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's sequences end to end into one row (THD, no padding between them,
+    per-sequence positions); false: one right-padded row per sequence."""
     micro_batch_tokens: int = num(8192, ge=1)
     """Token budget of one micro-batch (dynamic batch size), >= 1 and at least one max-length
-    sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it."""
+    sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it
+    (real tokens when packed; rows x longest when padded)."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The step's global samples -> this DP rank's mini-batches of padded micro-batches, on device."""
+"""The step's global samples -> this DP rank's mini-batches of micro-batches, on device."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def prepare_batches(samples: Sequence[Sample], groups: ParallelGroups, settings:
     """This DP rank's mini-batches of micro-batches for the step's global ``samples``.
 
     Every rank computes the same plan from the same samples (``batching``); engine log-probs
-    are carried only when every sample has them. Lengths are padded to the multiple that
+    are carried only when every sample has them. Micro-batches are packed rows when
+    ``parallel.pack_sequences``, else padded rows; lengths are padded to the multiple that
     sequence / context parallelism split them by (padding is masked out of every loss).
     """
     lay = groups.layout
@@ -28,5 +29,6 @@ def prepare_batches(samples: Sequence[Sample], groups: ParallelGroups, settings:
                                 dp_size=lay.dp, token_budget=settings.parallel.micro_batch_tokens,
                                 max_rows=settings.max_rows_per_micro_batch, with_engine_logp=with_engine,
                                 cp=lay.cp, cp_rank=groups.cp_rank,
-                                pad_multiple=sequence_pad_multiple(lay.tp, lay.cp, lay.sequence_parallel))
+                                pad_multiple=sequence_pad_multiple(lay.tp, lay.cp, lay.sequence_parallel),
+                                packed=settings.parallel.pack_sequences)
     return [[mb.to(groups.device) for mb in mini] for mini in batches]

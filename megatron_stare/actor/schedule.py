@@ -1,6 +1,9 @@
 """Megatron's forward(-backward) schedule over micro-batches, and the last pipeline stage's
 results shared with every stage.
 
+A packed micro-batch runs as one row ``[1, t]`` with its ``PackedSeqParams`` (thd), which
+every stage's attention and RoPE read; a padded one as its rows ``[B, L]``.
+
 Only the last stage has logits, so only its loss functions run; per-token results and metrics
 computed there are broadcast over the pipeline group so that every rank holds the same values.
 """
@@ -12,6 +15,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_stare.models.torch_attention import PackedRowParams
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
@@ -27,14 +31,19 @@ def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequenc
 
     def forward_step(data_iter, m):
         mb, loss_func = next(data_iter)
-        out = m(mb.input_ids, mb.position_ids, None)
-        return out, loss_func
+        if mb.packed is None:
+            return m(mb.input_ids, mb.position_ids, None), loss_func
+        row = mb.packed
+        params = PackedRowParams.of(row.seq_lens, row.slot_lens, row.input_ids.device)
+        return m(row.input_ids, row.position_ids, None, packed_seq_params=params), loss_func
 
+    # Lengths differ between micro-batches: the p2p of every stage boundary sends its shape
+    # first (``variable_seq_lengths``), so these are only Megatron's nominal sizes.
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(list(zip(micro_batches, loss_funcs))),
         model=[model], num_microbatches=len(micro_batches),
-        seq_length=max(mb.shape[1] for mb in micro_batches),
-        micro_batch_size=max(mb.shape[0] for mb in micro_batches), forward_only=forward_only)
+        seq_length=max(mb.model_shape[1] for mb in micro_batches),
+        micro_batch_size=max(mb.model_shape[0] for mb in micro_batches), forward_only=forward_only)
 
 
 def broadcast_from_last_stage(tensors: List[torch.Tensor], groups: ParallelGroups) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -25,13 +26,24 @@ class TokenStatsKernel:
 
     def __call__(self, logits: Tensor, mb: MicroBatch, *, entropy_grad: bool,
                  sensitivity: bool) -> LogProbOutput:
-        """``LogProbOutput`` with flat ``[B*L]`` tensors (identical on every TP rank)."""
+        """``LogProbOutput`` with flat ``[B*L]`` tensors (identical on every TP rank).
+
+        ``logits``: ``[B, L, V/tp]``, or ``[1, t, V/tp]`` of a packed row, whose per-token results
+        are gathered into the ``[B, L]`` layout (``PackedRow.index``; the gather carries the
+        gradient back to the row).
+        """
         b, l, v = logits.shape
-        return vocab_parallel_logprobs_entropy(
-            logits.reshape(b * l, v), mb.targets.reshape(-1), tp_group=self.tp_group,
+        targets = mb.targets if mb.packed is None else mb.packed.targets
+        o = vocab_parallel_logprobs_entropy(
+            logits.reshape(b * l, v), targets.reshape(-1), tp_group=self.tp_group,
             valid_vocab_size=self.valid_vocab_size, temperature=self.temperature,
             with_entropy=True, entropy_grad=entropy_grad, with_sensitivity=sensitivity,
             chunk_size=self.chunk_size)
+        if mb.packed is None:
+            return o
+        index = mb.packed.index.reshape(-1)
+        return dataclasses.replace(o, **{f.name: getattr(o, f.name)[index] for f in dataclasses.fields(o)
+                                         if isinstance(getattr(o, f.name), Tensor)})
 
 
 @dataclass

@@ -37,8 +37,9 @@ measured in ``shared/docs/cpu-recipe.md``:
 With these, the distributed optimizer and bf16 params with fp32 main params run on CPU gloo
 ranks. Sequence parallel needs no patch here: its blocker is Megatron's torch norm, which does
 not mark its weights for the TP gradient all-reduce; our layer spec uses a norm that does
-(``models/layer_specs.py``). Still not covered: context parallel and packed sequences (the
-local ``DotProductAttention`` refuses both).
+(``models/layer_specs.py``). Context parallel and packed sequences need no patch here beyond
+RoPE's chunk index (patch 3): megatron-core's local ``DotProductAttention`` refuses both, and
+the local spec uses ``models/torch_attention.py`` instead.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ CUDA_FACTORY_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
     "megatron.core.transformer.utils",
+    # RoPE under context parallel: ``get_pos_emb_on_this_cp_rank`` builds its chunk index
+    # with ``pin_memory=True`` (refused without CUDA) and moves it with ``.cuda()`` (patch 7).
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 _FACTORIES = (

@@ -8,8 +8,10 @@ sums the gradients of parameters so marked over the TP group. ``WrappedTorchNorm
 and therefore refuses sequence parallelism; with this norm the local (non-TE) spec runs it.
 
 ``local_block_spec`` is megatron-core's local GPT layer spec with every norm (input, pre-MLP,
-q/k and the block's final norm) replaced by ``TorchNorm``; without sequence parallelism the
-model is the same module for module, so numbers do not change.
+q/k and the block's final norm) replaced by ``TorchNorm``, and its core attention chosen from
+``CORE_ATTENTION``: ``"torch"`` (default; ``torch_attention.TorchDotProductAttention``, which
+runs context parallel and packed sequences) or ``"megatron"`` (megatron-core's local
+``DotProductAttention``, which refuses both; kept to compare against).
 """
 
 from __future__ import annotations
@@ -40,16 +42,33 @@ class TorchNorm:
         return norm
 
 
-def local_block_spec(config, qk_layernorm: bool, *, vp_stage=None, pp_rank=None):
+def _core_attention(name: str):
+    if name == "torch":
+        from megatron_stare.models.torch_attention import TorchDotProductAttention
+
+        return TorchDotProductAttention
+    if name == "megatron":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention
+    raise ValueError(f"core attention {name!r} is not one of {CORE_ATTENTION}")
+
+
+#: Core attentions of the local spec (``local_block_spec(..., attention=)``).
+CORE_ATTENTION = ("torch", "megatron")
+
+
+def local_block_spec(config, qk_layernorm: bool, *, attention: str = "torch", vp_stage=None, pp_rank=None):
     """``TransformerBlockSubmodules`` of this pipeline stage: the local layer spec with
-    ``TorchNorm`` everywhere, and ``TorchNorm`` as the final norm."""
+    ``TorchNorm`` everywhere, ``TorchNorm`` as the final norm, and ``attention`` (one of
+    ``CORE_ATTENTION``) as the core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
     layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=config.normalization)
     sub = layer.submodules
-    attn = sub.self_attention.submodules
+    attn = dataclasses.replace(sub.self_attention.submodules, core_attention=_core_attention(attention))
     if qk_layernorm:
         attn = dataclasses.replace(attn, q_layernorm=TorchNorm, k_layernorm=TorchNorm)
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(

@@ -1,16 +1,19 @@
 """A fixed synthetic rollout batch and one actor update, for the layout-equivalence tests.
 
-``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, dp = world/(tp*pp)), the log-prob
-pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of mixed
-prompt/response lengths and mixed advantages, and returns what must be layout-independent: the
-losses, grad norms, metrics, selected token keys and the updated canonical weights (fp32); and
-the micro-batch widths this rank ran. Knobs: sequence parallel, the distributed optimizer, bf16.
+``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, cp, dp = world/(tp*pp*cp)), the
+log-prob pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of
+mixed prompt/response lengths and mixed advantages, and returns what must be layout-independent:
+the losses, grad norms, metrics, selected token keys and the updated canonical weights (fp32);
+the micro-batch widths this rank ran; and the log-prob pass's per-token results by token key.
+Knobs: context parallel, packed or padded micro-batches, sequence parallel, the distributed
+optimizer, bf16.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -46,26 +49,29 @@ def gather_full_model(actor) -> Dict[str, torch.Tensor]:
     return gather_full_weights(actor.module, actor.groups)
 
 
-def case_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool = False,
+def case_groups(world: int, tp: int, pp: int, *, cp: int = 1, distributed_optimizer: bool = False,
                 sequence_parallel: bool = False):
-    """Process groups of the layout (tp, pp, dp = world/(tp*pp)); once per process."""
-    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer,
+    """Process groups of the layout (tp, pp, cp, dp = world/(tp*pp*cp)); once per process."""
+    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, cp=cp, distributed_optimizer=distributed_optimizer,
                                     sequence_parallel=sequence_parallel)
     return init_distributed(lay, seed=1234)
 
 
 def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
                      variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
-                     lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0):
+                     lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
+                     pack_sequences: bool = True):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
-    ``seeded_canonical(.., weights_seed)``; sequence parallel and the distributed optimizer
-    follow the layout."""
+    ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
+    optimizer follow the layout."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
     algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0,
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
-    settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, micro_batch_tokens=micro_batch_tokens,
+    settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, cp=lay.cp,
+                                                     micro_batch_tokens=micro_batch_tokens,
+                                                     pack_sequences=pack_sequences,
                                                      sequence_parallel=lay.sequence_parallel,
                                                      distributed_optimizer=lay.distributed_optimizer),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
@@ -78,19 +84,42 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
     return MegatronActor(TINY_SPEC, groups, settings, load), algo
 
 
-def run_actor_case(rank: int, world: int, tp: int, pp: int, *, mini_batches: int = 1,
-                   poison_advantage: bool = False, distributed_optimizer: bool = False,
-                   sequence_parallel: bool = False, **knobs):
-    """One log-prob pass, controller update and STARE update (see the module docstring);
-    ``knobs`` go to ``build_case_actor``."""
-    groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer,
-                         sequence_parallel=sequence_parallel)
+def token_values(batches, name: str) -> Dict[int, float]:
+    """``{token key: value}`` of a per-token field over this rank's response tokens."""
+    out: Dict[int, float] = {}
+    for mini in batches:
+        for mb in mini:
+            m = mb.loss_mask
+            out.update(zip(mb.token_keys[m].tolist(), getattr(mb, name)[m].double().tolist()))
+    return out
+
+
+def gather_full_grads(actor) -> Optional[Dict[str, torch.Tensor]]:
+    """Canonical fp32 gradients of the last mini-batch (reduced over DP/CP, clipped) on every
+    rank; None with the distributed optimizer (each rank then holds a shard of them)."""
+    if actor.groups.layout.distributed_optimizer:
+        return None
+    params = list(actor.module.parameters())
+    saved = [p.data for p in params]
+    try:
+        for p in params:  # gather_canonical reads .data: show it the gradient buffers
+            p.data = p.main_grad.to(p.dtype)
+        return gather_full_model(actor)
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False, **knobs) -> dict:
+    """One log-prob pass, controller update and STARE update at ``groups`` (see the module
+    docstring); ``knobs`` go to ``build_case_actor``."""
     actor, algo = build_case_actor(groups, **knobs)
     samples = synthetic_samples()
     if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
         samples[3].advantage = float("nan")
     batches = actor.prepare(samples, mini_batches=mini_batches)
     stats = actor.compute_logprobs(batches)
+    logp, entropy = token_values(batches, "old_logp"), token_values(batches, "entropy")
     state = StareController(algo.stare).update(stats.entropy)
     # A second, perturbed "old" policy makes rho != 1 so the clip branches are exercised.
     for mini in batches:
@@ -98,6 +127,33 @@ def run_actor_case(rank: int, world: int, tp: int, pp: int, *, mini_batches: int
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
-            "skipped": res.skipped_steps, "widths": [mb.shape[1] for mini in batches for mb in mini],
+            "skipped": res.skipped_steps, "widths": [mb.model_shape[1] for mini in batches for mb in mini],
+            "tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mini in batches for mb in mini),
             "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
-            "weights": gather_full_model(actor)}
+            "num_tokens": stats.num_tokens, "logp": logp, "token_entropy": entropy,
+            "grads": gather_full_grads(actor), "weights": gather_full_model(actor)}
+
+
+def run_actor_case(rank: int, world: int, tp: int, pp: int, *, cp: int = 1,
+                   distributed_optimizer: bool = False, sequence_parallel: bool = False, **knobs):
+    """``actor_case_result`` at (tp, pp, cp, dp = world/(tp*pp*cp)); entry point for
+    ``run_on_ranks``."""
+    groups = case_groups(world, tp, pp, cp=cp, distributed_optimizer=distributed_optimizer,
+                         sequence_parallel=sequence_parallel)
+    return actor_case_result(groups, **knobs)
+
+
+def run_actor_variants(rank: int, world: int, tp: int, pp: int, variants: Sequence[dict], *,
+                       cp: int = 1) -> List[dict]:
+    """``actor_case_result`` of each of ``variants`` (knob dicts; ``sequence_parallel`` and
+    ``distributed_optimizer`` among them: they change the actor, not the process groups) on one
+    set of process groups, in one process: spawning ranks and importing megatron-core costs far
+    more than a tiny case, so tests batch their variants here."""
+    groups = case_groups(world, tp, pp, cp=cp)
+    out = []
+    for knobs in variants:
+        knobs = dict(knobs)
+        lay = dataclasses.replace(groups.layout, sequence_parallel=knobs.pop("sequence_parallel", False),
+                                  distributed_optimizer=knobs.pop("distributed_optimizer", False))
+        out.append(actor_case_result(dataclasses.replace(groups, layout=lay.validate()), **knobs))
+    return out

@@ -53,7 +53,7 @@ def build_trainable(groups: ParallelGroups, spec: GPTSpec = TINY_SPEC, lr: float
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     lay = groups.layout
-    cfg = transformer_config(spec, lay.tp, lay.pp, dtype=dtype, sequence_parallel=lay.sequence_parallel)
+    cfg = transformer_config(spec, lay.tp, lay.pp, cp=lay.cp, dtype=dtype, sequence_parallel=lay.sequence_parallel)
     model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
                             post_process=groups.is_last_stage, tp=lay.tp)
     # ``miswire_tp`` deals the TP shards to the wrong ranks: the tests use it to prove that

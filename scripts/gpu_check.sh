@@ -10,7 +10,9 @@
 #      Apex: the tests that need them skip themselves cleanly);
 #   3. runs tests/gpu: the bf16 + distributed-optimizer actor update against fp32, the
 #      distributed-optimizer checkpoint round trip, a bf16 TP1 trainer run (2 steps, checkpoint,
-#      resume), and the vLLM / SGLang engine tests when those engines are installed.
+#      resume), the torch attention on CUDA (packed, CP chunks, 16k memory, packed vs padded
+#      actor), transformer-engine's attention on packed rows when TE is installed, and the
+#      vLLM / SGLang engine tests when those engines are installed.
 #
 # Usage: scripts/gpu_check.sh [--dry-run | --setup-only] [--budget SECONDS] [-- EXTRA_PYTEST_ARGS...]
 #   --dry-run     print what would be installed, skipped and run; install and run nothing
@@ -105,7 +107,7 @@ fi
 
 # 2. What it lacks and skips.
 for mod in vllm:"tests/gpu/test_vllm_gpu.py" sglang:"tests/gpu/test_sglang_gpu.py" \
-           transformer_engine:"the TE layer spec (the local spec with our norms runs instead)" \
+           transformer_engine:"the TE layer spec and test_te_attention_gpu.py (the local spec runs, torch attention)" \
            apex:"Apex fused kernels (torch's run instead)"; do
   name=${mod%%:*}; what=${mod#*:}
   if has "$name"; then say "$name: present"; else say "$name: not installed -> skipped: $what"; fi

@@ -25,8 +25,9 @@ Memory: no ``[L, L]`` mask or score matrix over a row. The local queries are cut
 (``scaled_dot_product_attention``: flash kernels on CPU and CUDA, which never store the
 probabilities). A run of queries that starts its sequence is one plain causal block; a later
 CP chunk attends to the keys from its sequence's start and needs a mask tile, cut to at most
-``block_elements`` entries (per head); short sequences share one block-diagonal tile. The
-backward recomputes block by block (``_BlockAttention``), so activations stay ``O(t)``.
+``block_elements`` entries (per head); short sequences share one block-diagonal tile. Causal
+blocks use the fused kernel's own backward; masked blocks recompute theirs block by block
+(``_MaskedBlocks``), so activations stay ``O(t)``.
 
 Grouped-query attention (``ng < np``): query head ``h`` uses key/value head ``h // (np/ng)``,
 as ``repeat_interleave`` in megatron-core (``enable_gqa``). The fused kernels keep the softmax
@@ -51,6 +52,10 @@ from torch import Tensor
 #: Default budget of one mask tile, in entries times heads (64 MiB of fp32 scores if a kernel
 #: without masked-softmax support materialises them).
 BLOCK_ELEMENTS = 1 << 24
+#: Short runs share one masked tile up to this many entries: below it a kernel call's overhead
+#: outweighs the masked-out work; above it the causal kernel (which skips the upper triangle)
+#: on each run is cheaper.
+MERGE_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -148,31 +153,30 @@ def plan_blocks(layout: SegmentLayout, heads: int, block_elements: int = BLOCK_E
     of any length: the attention kernel needs no mask for it. Any other run (a later CP chunk)
     attends to keys from its slot's start and needs a mask tile: it is cut into blocks of at most
     ``block_elements`` mask entries per ``heads`` (a kernel without masked-softmax support makes
-    scores of that size). Consecutive short runs share one masked block (block-diagonal) while it
-    is within budget and at most twice the tiles they would need alone.
+    scores of that size). Consecutive short runs share one masked block (block-diagonal) while
+    its tile stays within ``MERGE_ELEMENTS``.
     """
     budget = max(block_elements // max(heads, 1), 1)
     blocks: List[list] = []
-    cur = None  # [q0, q1, k0, k1, causal, separate_cost]
+    cur = None  # [q0, q1, k0, k1, causal]
     for local, n, g0, start in layout.runs():
         if cur is not None:
             nq = cur[1] - cur[0] + n
             cost = nq * (g0 + n - cur[2])
-            if cost <= budget and cost <= 2 * (cur[5] + n * (g0 + n - start)):
+            if cost <= min(budget, MERGE_ELEMENTS):
                 cur[1], cur[3], cur[4] = cur[1] + n, g0 + n, False
-                cur[5] += n * (g0 + n - start)
                 continue
             blocks.append(cur)
             cur = None
         if g0 == start:
-            cur = [local, local + n, g0, g0 + n, True, n * n]
+            cur = [local, local + n, g0, g0 + n, True]
             continue
         a = 0
         while a < n:
             before = g0 + a - start  # keys of the slot before the block's first query
             m = int((-before + math.sqrt(before * before + 4 * budget)) // 2)
             m = min(max(m, 1), n - a)
-            blk = [local + a, local + a + m, start, g0 + a + m, False, m * (g0 + a + m - start)]
+            blk = [local + a, local + a + m, start, g0 + a + m, False]
             a += m
             if a < n:
                 blocks.append(blk)
@@ -192,7 +196,7 @@ def plan_blocks(layout: SegmentLayout, heads: int, block_elements: int = BLOCK_E
         for j in range(layout.cp):
             order[layout.global_index(j)] = torch.arange(j * t, (j + 1) * t)
         order = order.to(device)
-    return BlockPlan(blocks=tuple(Block(*b[:5]) for b in blocks), key_lo=lo.to(device),
+    return BlockPlan(blocks=tuple(Block(*b) for b in blocks), key_lo=lo.to(device),
                      key_hi=hi.to(device), gather_order=order)
 
 
@@ -216,19 +220,17 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, b: Block, plan: BlockPlan, scale: f
     return out[0].transpose(0, 1)
 
 
-class _BlockAttention(torch.autograd.Function):
-    """Blocked causal attention of local queries over keys/values in global order. The forward
-    keeps no per-block state; the backward recomputes each block (activation checkpointing at
-    block granularity), so memory stays linear in the sequence."""
+class _MaskedBlocks(torch.autograd.Function):
+    """The masked blocks of a plan, their outputs concatenated in order. torch's fused attention
+    would save each block's mask for its backward (the whole masked area of a long CP chunk, so
+    quadratic memory); this forward saves nothing per block and the backward recomputes block by
+    block (activation checkpointing at block granularity), so memory stays linear."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float):
-        out = torch.zeros(q.shape[:2] + v.shape[2:], dtype=q.dtype, device=q.device)
-        for b in plan.blocks:
-            out[b.q0:b.q1] = _attend(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b, plan, scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, blocks: Tuple[Block, ...], scale: float):
         ctx.save_for_backward(q, k, v)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+        ctx.plan, ctx.blocks, ctx.scale = plan, blocks, scale
+        return torch.cat([_attend(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b, plan, scale) for b in blocks])
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -238,16 +240,19 @@ class _BlockAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for b in ctx.plan.blocks:
+        row = 0
+        for b in ctx.blocks:
+            n = b.q1 - b.q0
             with torch.enable_grad():
                 qb, kb, vb = (x.detach().requires_grad_() for x in
                               (q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1]))
                 out = _attend(qb, kb, vb, b, ctx.plan, ctx.scale)
-                gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), dout[b.q0:b.q1])
+                gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), dout[row:row + n])
             dq[b.q0:b.q1] = gq
             dk[b.k0:b.k1] += gk
             dv[b.k0:b.k1] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+            row += n
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class _GatherFromContextParallel(torch.autograd.Function):
@@ -281,7 +286,14 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout, *, s
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     plan = _cached_plan(layout, q.shape[1], block_elements, q.device)
-    return _BlockAttention.apply(q, k, v, plan, scale)
+    masked = tuple(b for b in plan.blocks if not b.causal)
+    pieces = iter(_MaskedBlocks.apply(q, k, v, plan, masked, scale).split([b.q1 - b.q0 for b in masked])
+                  if masked else ())
+    # Causal blocks go straight through the fused kernel's own backward: it saves only the
+    # block's output and log-sum-exp.
+    outs = [_attend(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b, plan, scale) if b.causal else next(pieces)
+            for b in plan.blocks]
+    return torch.cat(outs) if outs else q.new_zeros((0,) + tuple(q.shape[1:2]) + tuple(v.shape[2:]))
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout, *,
@@ -390,6 +402,11 @@ class TorchDotProductAttention(MegatronModule):
             out = context_parallel_attention(query, key, value, layout, **kw)
             return out.reshape(out.shape[0], -1)
         s, b = query.shape[:2]
+        if self.cp == 1:  # whole rows: one causal call of torch's fused attention for all of them
+            qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=query.shape[2] != key.shape[2])
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         layout = SegmentLayout.rows(b, s, self.cp, self.cp_rank)
         flat = lambda x: x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])  # noqa: E731
         out = context_parallel_attention(flat(query), flat(key), flat(value), layout, **kw)

@@ -60,14 +60,14 @@ def case_groups(world: int, tp: int, pp: int, *, cp: int = 1, distributed_optimi
 def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
                      variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
                      lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
-                     pack_sequences: bool = True):
+                     pack_sequences: bool = True, loss_agg_mode: str = "token-mean"):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
     ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
     optimizer follow the layout."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
-    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0,
+    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0, loss_agg_mode=loss_agg_mode,
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
     settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, cp=lay.cp,
                                                      micro_batch_tokens=micro_batch_tokens,

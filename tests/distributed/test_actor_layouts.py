@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 PADDED = {"pack_sequences": False}
 SP, DISTOPT = {"sequence_parallel": True}, {"distributed_optimizer": True}
+SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}  # per-sequence counts span the CP chunks
 
 
 def both(name: str, **knobs) -> dict:
@@ -35,15 +36,16 @@ RUNS = {
                          **both("rows4", max_rows=4), **both("two_mini", mini_batches=2, max_rows=3),
                          "stare_gate_off": {"policy_loss": "stare", "target_entropy": 0.0},
                          "grpo": {"policy_loss": "vanilla", "target_entropy": 0.0},
-                         "lr4": {"lr": 1e-4}}),
+                         "lr4": {"lr": 1e-4}, "seq_mean": SEQ_MEAN}),
     "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP)}),
     "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}}),
     "dp2": (2, 1, 1, 1, {**both("ref"), **both("two_mini", mini_batches=2, max_rows=3),
                          **both("distopt", **DISTOPT), "bf16": {"lr": 1e-4, "dtype": torch.bfloat16, **DISTOPT}}),
-    "cp2": (2, 1, 1, 2, both("ref")),
+    "cp2": (2, 1, 1, 2, {**both("ref"), **both("seq_mean", **SEQ_MEAN)}),
     "tp2pp2": (4, 2, 2, 1, both("ref")),
     "tp2dp2": (4, 2, 1, 1, both("sp_distopt", **SP, **DISTOPT)),
     "tp2cp2": (4, 2, 1, 2, {**both("ref"), **both("sp", **SP)}),
+    "pp2cp2": (4, 1, 2, 2, both("ref")),  # the 32B recipe's PP2 x CP2
 }
 
 
@@ -123,9 +125,9 @@ def test_reference_update_is_not_trivial(reference):
     assert 0 < reference["metrics"]["stare/positive_reweight_ratio"] < reference["metrics"]["stare/positive_candidate_ratio"]
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2pp2", "cp2", "tp2cp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2pp2", "cp2", "tp2cp2", "pp2cp2"])
 def test_layouts_match_single_process(runs, reference, name):
-    """TP2, PP2, DP2, TP2xPP2, CP2 and TP2xCP2, packed and padded; every token once."""
+    """TP2, PP2, DP2, TP2xPP2, CP2, TP2xCP2 and PP2xCP2, packed and padded; every token once."""
     world, tp, pp, cp, _ = RUNS[name]
     for variant in ("ref", "ref/padded"):
         ranks = runs(name)[variant]
@@ -144,6 +146,14 @@ def test_context_parallel_with_sequence_parallel_pads_odd_lengths(runs, referenc
             assert_same_update(reference, got)
             assert all(w * 2 % 8 == 0 for w in got["widths"])  # local widths x CP
         assert_tokens_seen_once(reference, ranks, 2)
+
+
+def test_sequence_mean_under_context_parallel_counts_whole_sequences(runs):
+    ref = runs("one")["seq_mean"][0]
+    assert ref["loss"] != runs("one")["ref"][0]["loss"]
+    for variant in ("seq_mean", "seq_mean/padded"):
+        for got in runs("cp2")[variant]:
+            assert_same_update(ref, got)
 
 
 @pytest.mark.parametrize("name,variant", [("one", "ref"), ("tp2", "sp"), ("cp2", "ref")],

@@ -60,14 +60,16 @@ def case_groups(world: int, tp: int, pp: int, *, cp: int = 1, distributed_optimi
 def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
                      variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
                      lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
-                     pack_sequences: bool = True, loss_agg_mode: str = "token-mean"):
+                     pack_sequences: bool = True, algorithm: Optional[dict] = None):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
     ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
-    optimizer follow the layout."""
+    optimizer follow the layout. ``algorithm``: further ``AlgorithmConfig`` fields (aggregation
+    mode, entropy bonus, Cov configs, ...); with ``kl_loss_coef`` > 0 the actor also holds a
+    reference model, weights ``seeded_canonical(.., weights_seed + 1)``."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
-    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0, loss_agg_mode=loss_agg_mode,
+    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0, **(algorithm or {}),
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
     settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, cp=lay.cp,
                                                      micro_batch_tokens=micro_batch_tokens,
@@ -77,11 +79,12 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows)
 
-    def load(stage, g):
-        load_canonical(stage, lambda n, s: seeded_canonical(n, s, weights_seed).to(dtype), g.tp_rank,
-                       g.layout.tp)
+    def loader(seed):
+        return lambda stage, g: load_canonical(stage, lambda n, s: seeded_canonical(n, s, seed).to(dtype),
+                                               g.tp_rank, g.layout.tp)
 
-    return MegatronActor(TINY_SPEC, groups, settings, load), algo
+    ref = loader(weights_seed + 1) if algo.kl_loss_coef > 0 else None
+    return MegatronActor(TINY_SPEC, groups, settings, loader(weights_seed), ref), algo
 
 
 def token_values(batches, name: str) -> Dict[int, float]:

@@ -11,9 +11,12 @@ Spawning ranks and importing megatron-core costs ~20 s per process, a tiny case 
 second: every run here computes its variants (packed and padded, ...) in one spawn
 (``run_actor_variants``), cached for the module."""
 
+import math
+
 import pytest
 import torch
 
+from megatron_stare.algorithms.config import ClipCovConfig, KLCovConfig
 from megatron_stare.testing.actor_case import run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.megatron_tiny import CLUSTER_LAYOUT_IDS, seeded_canonical
@@ -22,7 +25,19 @@ pytestmark = pytest.mark.distributed
 
 PADDED = {"pack_sequences": False}
 SP, DISTOPT = {"sequence_parallel": True}, {"distributed_optimizer": True}
-SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}  # per-sequence counts span the CP chunks
+#: The losses beyond STARE's token-mean, one process against CP2, where a sequence's tokens
+#: (so its per-sequence counts, and the candidates of a global selection) span the CP ranks:
+#: each aggregation mode with per-sequence counts, the entropy bonus's gradient, a KL term on a
+#: reference model's log-prob pass, Clip-Cov's and KL-Cov's global selections.
+LOSSES = {
+    "seq_mean": {"algorithm": {"loss_agg_mode": "seq-mean-token-mean"}},
+    "seq_sum_kl": {"algorithm": {"loss_agg_mode": "seq-mean-token-sum", "kl_loss_coef": 0.1,
+                                 "entropy_coeff": 0.01}},
+    "seq_sum_norm": {"algorithm": {"loss_agg_mode": "seq-mean-token-sum-norm", "seq_mean_norm_const": 24.0}},
+    "clip_cov": {"policy_loss": "clip_cov",
+                 "algorithm": {"clip_cov": ClipCovConfig(ratio=0.2, lb=-math.inf, ub=math.inf)}},
+    "kl_cov": {"policy_loss": "kl_cov", "algorithm": {"kl_cov": KLCovConfig(ratio=0.1)}},
+}
 
 
 def both(name: str, **knobs) -> dict:
@@ -36,12 +51,12 @@ RUNS = {
                          **both("rows4", max_rows=4), **both("two_mini", mini_batches=2, max_rows=3),
                          "stare_gate_off": {"policy_loss": "stare", "target_entropy": 0.0},
                          "grpo": {"policy_loss": "vanilla", "target_entropy": 0.0},
-                         "lr4": {"lr": 1e-4}, "seq_mean": SEQ_MEAN}),
+                         "lr4": {"lr": 1e-4}, **LOSSES}),
     "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP)}),
     "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}}),
     "dp2": (2, 1, 1, 1, {**both("ref"), **both("two_mini", mini_batches=2, max_rows=3),
                          **both("distopt", **DISTOPT), "bf16": {"lr": 1e-4, "dtype": torch.bfloat16, **DISTOPT}}),
-    "cp2": (2, 1, 1, 2, {**both("ref"), **both("seq_mean", **SEQ_MEAN)}),
+    "cp2": (2, 1, 1, 2, {**both("ref"), **{k: v for name, knobs in LOSSES.items() for k, v in both(name, **knobs).items()}}),
     "tp2pp2": (4, 2, 2, 1, both("ref")),
     "tp2dp2": (4, 2, 1, 1, both("sp_distopt", **SP, **DISTOPT)),
     "tp2cp2": (4, 2, 1, 2, {**both("ref"), **both("sp", **SP)}),
@@ -84,8 +99,9 @@ def assert_same_update(ref, got):
     for name, w in ref["weights"].items():
         diff = (w - got["weights"][name]).abs().max().item()
         assert diff <= 1e-6, f"{name} differs by {diff}"
-    for k in ("stare/positive_reweight_ratio", "stare/negative_reweight_ratio", "pg_clipfrac", "entropy"):
-        assert abs(ref["metrics"][k] - got["metrics"][k]) <= 1e-6, k
+    assert ref["metrics"].keys() == got["metrics"].keys()
+    for k, a in ref["metrics"].items():  # every metric: token-mean ratios, selection fractions
+        assert abs(a - got["metrics"][k]) <= 1e-6 * max(1.0, abs(a)), (k, a, got["metrics"][k])
 
 
 def assert_tokens_seen_once(ref, ranks, replicas):
@@ -148,12 +164,21 @@ def test_context_parallel_with_sequence_parallel_pads_odd_lengths(runs, referenc
         assert_tokens_seen_once(reference, ranks, 2)
 
 
-def test_sequence_mean_under_context_parallel_counts_whole_sequences(runs):
-    ref = runs("one")["seq_mean"][0]
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_sees_each_token_once_under_context_parallel(runs, name):
+    """Each of ``LOSSES`` at CP2, packed and padded, equals one process: loss, grad norm,
+    weights, every metric, and the log-prob pass's tokens each computed on one rank."""
+    ref = runs("one")[name][0]
     assert ref["loss"] != runs("one")["ref"][0]["loss"]
-    for variant in ("seq_mean", "seq_mean/padded"):
-        for got in runs("cp2")[variant]:
+    # The selections and the KL term are not empty (a trivial case would prove nothing).
+    nonzero = {"clip_cov": "clip_cov/frac", "kl_cov": "kl_cov/frac", "seq_sum_kl": "kl_loss"}
+    if name in nonzero:
+        assert ref["metrics"][nonzero[name]] > 0, ref["metrics"]
+    for variant in (name, f"{name}/padded"):
+        ranks = runs("cp2")[variant]
+        for got in ranks:
             assert_same_update(ref, got)
+        assert_tokens_seen_once(ref, ranks, 1)
 
 
 @pytest.mark.parametrize("name,variant", [("one", "ref"), ("tp2", "sp"), ("cp2", "ref")],

@@ -7,7 +7,9 @@ to [``--min-len``, ``--max-len``], micro-batches within ``--budget`` tokens. The
 through two actors that differ only in ``parallel.pack_sequences``:
 
 - tokens computed: the sum over micro-batches of what the model runs on (padded: rows x
-  longest; packed: the packed row), against the real tokens;
+  longest; packed: the packed row), against the real tokens; and the (query, key) pairs causal
+  attention computes (quadratic: the long tail's sequences, alone in their micro-batches either
+  way, dominate it, so packing saves less attention than tokens);
 - the log-prob pass's wall time (``actor.compute_logprobs``, forward only, with the sensitivity
   sums as in training), ``--repeats`` times each, interleaved packed/padded; medians and the
   padded/packed ratio.
@@ -17,7 +19,7 @@ Attention memory (``--no-memory`` skips it): in a fresh subprocess each, forward
 CP2 split, which needs mask tiles), 4 query heads over 2 KV heads of 16: the peak RSS growth,
 against the size of the dense fp32 scores a plain implementation would make.
 
-Writes ``benchmarks/results/packing.json``. Usage:
+Prints the figures side by side; ``--out FILE`` also writes them as JSON. Usage:
 ``OMP_NUM_THREADS=1 python benchmarks/bench_packing.py [--num 64] [--max-len 16384] [--repeats 3]``.
 """
 
@@ -36,9 +38,6 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "packing.json"
-
-
 def long_tail_samples(num: int, median: float, sigma: float, lo: int, hi: int, vocab: int, seed: int = 0):
     """``num`` samples whose token counts are lognormal(log median, sigma) clipped to [lo, hi]."""
     from megatron_stare.types import Sample
@@ -54,6 +53,13 @@ def long_tail_samples(num: int, median: float, sigma: float, lo: int, hi: int, v
     return out
 
 
+def causal_pairs(mb) -> int:
+    """(query, key) pairs causal attention computes for a micro-batch: per slot of a packed row,
+    per row of padded ones."""
+    lens = mb.packed.slot_lens if mb.packed is not None else [mb.shape[1]] * mb.shape[0]
+    return sum(n * (n + 1) // 2 for n in lens)
+
+
 def logprob_benchmark(args) -> dict:
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
@@ -67,20 +73,23 @@ def logprob_benchmark(args) -> dict:
         batches = actor.prepare(samples)
         flat = [mb for mini in batches for mb in mini]
         modes[name] = {"actor": actor, "batches": batches, "micro_batches": len(flat),
-                       "tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mb in flat), "seconds": []}
+                       "tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mb in flat),
+                       "attention_pairs": sum(causal_pairs(mb) for mb in flat), "seconds": []}
     for _ in range(args.repeats):
         for name, m in modes.items():  # interleaved: load changes hit both modes alike
             t0 = time.perf_counter()
             m["actor"].compute_logprobs(m["batches"])
             m["seconds"].append(time.perf_counter() - t0)
     real = sum(s.num_tokens - 1 for s in samples)
-    out = {name: {k: m[k] for k in ("micro_batches", "tokens", "seconds")} for name, m in modes.items()}
+    out = {name: {k: m[k] for k in ("micro_batches", "tokens", "attention_pairs", "seconds")}
+           for name, m in modes.items()}
     for m in out.values():
         m["median_s"] = statistics.median(m["seconds"])
     lengths = sorted(s.num_tokens for s in samples)
     out["real_tokens"] = real
     out["lengths"] = {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1]}
     out["tokens_ratio_padded_over_packed"] = out["padded"]["tokens"] / out["packed"]["tokens"]
+    out["attention_ratio_padded_over_packed"] = out["padded"]["attention_pairs"] / out["packed"]["attention_pairs"]
     out["time_ratio_padded_over_packed"] = out["padded"]["median_s"] / out["packed"]["median_s"]
     return out
 
@@ -124,7 +133,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -134,8 +143,10 @@ def main() -> None:
     for name in ("packed", "padded"):
         m = lp[name]
         print(f"  {name:7s} {m['micro_batches']:3d} micro-batches, {m['tokens']:7d} tokens computed, "
+              f"{m['attention_pairs'] / 1e6:7.1f} M attention pairs, "
               f"log-prob pass median {m['median_s']:.2f} s {['%.2f' % s for s in m['seconds']]}")
     print(f"  padded/packed: tokens {lp['tokens_ratio_padded_over_packed']:.2f}x, "
+          f"attention pairs {lp['attention_ratio_padded_over_packed']:.2f}x, "
           f"log-prob pass time {lp['time_ratio_padded_over_packed']:.2f}x")
     if not args.no_memory:
         mem = result["attention_memory"] = memory_benchmark(args.max_len)
@@ -143,9 +154,10 @@ def main() -> None:
               f"{mem['whole_row']['peak_rss_growth_mib']:.0f} MiB whole row, "
               f"{mem['cp2_rank1']['peak_rss_growth_mib']:.0f} MiB as a CP2 chunk; "
               f"dense fp32 scores would be {mem['dense_scores_mib']:.0f} MiB")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ at a time, so every call has two limits:
 - soft: the worker runs the call under ``registry.deadline(timeout_s)``; past it, score 0;
 - hard: the parent kills a worker whose call is not back ``timeout_s + HARD_KILL_GRACE_S``
   after it was sent (stuck inside one C call, where signals are not delivered) and starts a
-  replacement; the response scores 0. A worker that dies mid-call is replaced the same way.
+  replacement; the response scores 0. A worker that dies mid-call is replaced the same way
+  (logged, counted in ``RewardFuture.num_crashes``). Workers ignore the trainer's preemption
+  signals (SIGTERM, SIGUSR1: ``preemption.py``), which reach them too; the pool ends them.
 
 ``num_workers=0`` scores inline in ``submit`` (tests, tiny CPU runs) under the soft limit
 only, which needs the main thread (it is ``SIGALRM`` based); ``math`` is always bounded there.
@@ -31,6 +33,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Deque, List, Optional, Sequence, Tuple
 
+from megatron_stare.preemption import ignore_preemption_signals
 from megatron_stare.rewards.lookup import get_reward_fn
 from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
@@ -65,6 +68,9 @@ def _warmup(fn) -> None:
 
 def _worker_main(fn_spec: str, timeout_s: float, conn) -> None:
     """Worker process: load the reward fn, say ready, score ``(key, r, a, m)`` until ``None``/EOF."""
+    # A preemption signal for the trainer reaches its workers too (torchrun signals the trainer's
+    # whole process group); the trainer finishes its step first, so the workers must live on.
+    ignore_preemption_signals()
     try:
         fn = get_reward_fn(fn_spec)
         _warmup(fn)

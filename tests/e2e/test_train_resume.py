@@ -216,11 +216,15 @@ def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, t
 
 
 def test_torn_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path):
+    """The newest checkpoint lost a rank's file: every rank resumes from step_2, and steps 3-4
+    reproduce the full run's."""
     shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
     torn = tmp_path / "ckpt" / "step_00000004"
     (torn / "rank_00001.pt").unlink()
     out = _run(assets, tmp_path, "trainer.total_steps=4")
     assert "resumed from" in out.stdout and "step_00000002" in out.stdout
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full[2:])
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -53,6 +53,18 @@ def _popen(cmd, run_dir, env=None):
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def _kill_leftovers(run_dir):
+    """SIGKILL every process whose command line names ``run_dir``: torchrun starts each worker
+    in its own session, so a torchrun that dies (a broken signal path) leaves them running."""
+    needle = str(run_dir).encode()
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int(p.name) != os.getpid() and needle in (p / "cmdline").read_bytes():
+                os.kill(int(p.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _finish(proc, cmd, run_dir, expect, timeout=900):
     # The job runs in its own session that is killed afterwards: a rank killed mid-run orphans
     # its helper processes (Megatron's checkpoint writer starts a multiprocessing manager), which
@@ -64,6 +76,7 @@ def _finish(proc, cmd, run_dir, expect, timeout=900):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _kill_leftovers(run_dir)
     out = subprocess.CompletedProcess(cmd, code, (run_dir / "stdout.txt").read_text(),
                                       (run_dir / "stderr.txt").read_text())
     if expect is not None:

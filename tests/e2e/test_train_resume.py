@@ -56,7 +56,7 @@ def _popen(cmd, run_dir, env=None):
 def _kill_leftovers(run_dir):
     """SIGKILL every process whose command line names ``run_dir``: torchrun starts each worker
     in its own session, so a torchrun that dies (a broken signal path) leaves them running."""
-    needle = str(run_dir).encode()
+    needle = f"{run_dir}/".encode()
     for p in Path("/proc").iterdir():
         try:
             if p.name.isdigit() and int(p.name) != os.getpid() and needle in (p / "cmdline").read_bytes():

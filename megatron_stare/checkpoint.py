@@ -3,10 +3,13 @@
 A checkpoint is a directory ``<dir>/step_<N>/``:
 
 - ``model/``: the policy weights as a layout-independent megatron-core distributed checkpoint
-  (``models.dist_ckpt``), loadable at any TP/PP layout and by ``checkpoints_convert``;
-- ``rank_<r>.pt``: this rank's optimizer state (Megatron's, fp32 Adam moments), LR schedule
-  and RNG states (torch CPU/CUDA, Python, NumPy, Megatron's tracker). Optimizer state is
-  layout-specific: resuming it needs the same TP/PP/DP layout (the weights alone do not);
+  (``models.dist_ckpt``), loadable at any TP/PP/DP layout and by ``checkpoints_convert``;
+- ``optimizer/``: Megatron's sharded optimizer state (Adam moments, fp32 main params of bf16
+  weights, step) and the LR schedule, also a distributed checkpoint. The plain optimizer's state
+  loads at any layout; the distributed optimizer's at any DP degree with the same TP/PP;
+- ``rank_<r>.pt``: this rank's RNG states (torch CPU/CUDA, Python, NumPy, Megatron's tracker)
+  and its layout. They are restored only at the saved layout (elsewhere the RNG streams differ
+  by construction, and the run says so);
 - ``trainer_state.json``: step, data cursor, STARE controller, GEPO history, counters;
 - ``COMPLETE``: written last, holding the manifest (files and sizes).
 
@@ -14,6 +17,10 @@ Writers fill ``.step_<N>.partial/``; rank 0 renames it to ``step_<N>/`` only aft
 has finished, so a crash at any point leaves either the previous checkpoint or a ``.partial``
 directory that is ignored. ``latest_complete`` also skips a ``step_<N>`` whose manifest does
 not match its files (a torn copy), warning about it, and resumes from the last good one.
+
+Resume loads the weights, refreshes the optimizer's main params from them, then loads the
+optimizer state (whose saved fp32 main params win where they exist): the first step after a
+resume continues from the resumed weights and moments, never from the optimizer's init.
 """
 
 from __future__ import annotations
@@ -104,7 +111,7 @@ def latest_complete(root: PathLike) -> Optional[Path]:
 def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_state: Dict[str, Any],
                     keep_last: int = 3, hf_config: Optional[dict] = None) -> Path:
     """Save step ``step`` (collective over all ranks); prune to the newest ``keep_last``."""
-    from megatron_stare.models.dist_ckpt import save_model
+    from megatron_stare.models.dist_ckpt import save_model, save_optimizer
 
     root = Path(root).absolute()
     final = root / f"step_{step:08d}"
@@ -116,8 +123,8 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
         tmp.mkdir()
     dist.barrier()
     save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config)
-    per_rank = {"optimizer": actor.optimizer.state_dict(), "scheduler": actor.scheduler.state_dict(),
-                "rng": rng_state(), "layout": vars(groups.layout).copy()}
+    save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
+    per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
     part = tmp / f"rank_{dist.get_rank():05d}.pt"
     torch.save(per_rank, str(part) + ".tmp")
     os.replace(str(part) + ".tmp", part)
@@ -145,8 +152,16 @@ def _json_default(x):
 
 
 def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool = True) -> Dict[str, Any]:
-    """Restore weights (any layout) and, at the saved layout, optimizer/RNG; returns trainer state."""
+    """Restore weights and (``load_optimizer``) optimizer state and LR schedule, and at the saved
+    layout the RNG states; returns the trainer state. Collective over all ranks.
+
+    Weights load at any layout; optimizer state as ``models.dist_ckpt.load_optimizer`` allows.
+    Without ``load_optimizer`` the optimizer keeps its fresh state but its main params follow the
+    loaded weights.
+    """
     from megatron_stare.models.dist_ckpt import load_model
+    from megatron_stare.models.dist_ckpt import load_optimizer as load_optimizer_state
+    from megatron_stare.models.dist_ckpt import reload_main_params
 
     d = Path(ckpt)
     if not d.is_dir():
@@ -154,16 +169,22 @@ def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool
     if not is_complete(d):
         raise CheckpointError(f"checkpoint {d} is incomplete or damaged (no valid {COMPLETE} manifest)")
     load_model(actor.model, d / "model", spec)
-    if load_optimizer:
-        part = d / f"rank_{dist.get_rank():05d}.pt"
-        if not part.is_file():
-            raise CheckpointError(f"checkpoint {d} has no optimizer state for rank {dist.get_rank()}; "
-                                  f"it was saved at another layout (resume weights only)")
-        per_rank = torch.load(part, weights_only=False)
-        if per_rank["layout"] != vars(groups.layout):
-            raise CheckpointError(f"checkpoint {d} was saved at layout {per_rank['layout']}, this run is "
-                                  f"{vars(groups.layout)}; optimizer state needs the same layout")
-        actor.optimizer.load_state_dict(per_rank["optimizer"])
-        actor.scheduler.load_state_dict(per_rank["scheduler"])
+    if not load_optimizer:
+        if actor.optimizer is not None:
+            reload_main_params(actor.optimizer)
+        return json.loads((d / STATE).read_text())
+    if not (d / "optimizer").is_dir():
+        raise CheckpointError(f"checkpoint {d} has no optimizer/ state (an older format); resume "
+                              f"the weights only (load_optimizer=False)")
+    try:
+        load_optimizer_state(actor.optimizer, actor.scheduler, actor.model, groups, d / "optimizer")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    part = d / f"rank_{dist.get_rank():05d}.pt"
+    per_rank = torch.load(part, weights_only=False) if part.is_file() else None
+    if per_rank is not None and per_rank["layout"] == vars(groups.layout):
         set_rng_state(per_rank["rng"])
+    elif dist.get_rank() == 0:
+        print(f"[megatron-stare] checkpoint {d} was saved at another layout: weights and optimizer "
+              f"state resumed, RNG streams start afresh", flush=True)
     return json.loads((d / STATE).read_text())

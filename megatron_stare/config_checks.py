@@ -183,8 +183,6 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
                      f"model.path: no config.json in {m.path} (model.format is 'hf')")
         if m.ref_path is not None:
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
-    _require(m.dtype == "float32" or cuda, f"model.dtype={m.dtype} needs CUDA; use model.dtype=float32 on CPU")
-    _require(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by must be >= 1")
 
     r = cfg.rollout
     if r.engine.startswith("sglang"):

@@ -27,9 +27,9 @@ class ParallelConfig:
     dp: int = num(0, ge=0)
     """Data-parallel degree, >= 0; 0 = world_size / (tp*pp*cp)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU only, needs tp > 1)."""
+    """Megatron sequence parallelism (needs tp > 1); lengths are padded to a multiple of tp."""
     distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (GPU only)."""
+    """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
     recompute: Optional[Literal["full", "selective"]] = None
     """Activation recompute granularity passed to megatron-core; null = none."""
     micro_batch_tokens: int = num(8192, ge=1)
@@ -46,7 +46,7 @@ class ModelConfig:
     format: Literal["auto", "hf", "megatron"] = "auto"
     """How to read ``path``; 'auto' looks for config.json (HF) or a Megatron checkpoint marker."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype; bfloat16 (with the fp32 main-grad optimizer) needs CUDA."""
+    """Parameter dtype; bfloat16 trains with fp32 main params and fp32 gradient accumulation."""
     make_vocab_size_divisible_by: int = num(128, ge=1)
     """The embedding is padded to a multiple of this times tp, >= 1."""
     ref_path: Optional[str] = None

@@ -42,8 +42,8 @@ class ModelShape:
 class ParallelLayout:
     """Degrees of tensor (tp), pipeline (pp), data (dp) and context (cp) parallelism.
 
-    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` and
-    ``distributed_optimizer`` are GPU features (see ``compat/cpu.py``) validated here too.
+    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` (needs tp > 1) and
+    ``distributed_optimizer`` run on CUDA and, through ``compat/cpu.py``, on CPU gloo ranks.
     """
 
     tp: int = 1
@@ -104,12 +104,6 @@ class ParallelLayout:
         if cuda is None:
             cuda = torch.cuda.is_available()
         if not cuda:
-            if self.sequence_parallel:
-                raise LayoutError("parallel.sequence_parallel needs CUDA (torch norms refuse it on "
-                                  "CPU); set parallel.sequence_parallel=false")
-            if self.distributed_optimizer:
-                raise LayoutError("parallel.distributed_optimizer needs CUDA; set "
-                                  "parallel.distributed_optimizer=false on CPU")
             if self.cp > 1:
                 raise LayoutError("parallel.cp > 1 needs transformer-engine attention on CUDA; "
                                   "set parallel.cp=1 on CPU")

@@ -121,9 +121,10 @@ class Trainer:
             if self.gepo is not None:
                 self._shape_gepo(batches, len({s.group_id for s in samples}))
         state = self.controller.update(stats.entropy)
-        dynamics = self.actor.entropy_diagnostics(batches, state)
+        plans = self.actor.loss_plans(batches, step, state)
+        dynamics = self.actor.entropy_diagnostics(batches, plans)
         with self.timer("update"):
-            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
+            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs, plans=plans)
         self.skipped += result.skipped_steps
         if result.skipped_steps and self.rank == DRIVER:
             print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "

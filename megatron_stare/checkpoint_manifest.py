@@ -46,7 +46,7 @@ def _rank_world() -> Tuple[int, int]:
     return 0, 1
 
 
-def _from_rank0(obj: Any) -> Any:
+def from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if _rank_world()[1] == 1:
         return obj
@@ -103,7 +103,7 @@ def write_manifest(d: Path, step: int) -> None:
     """Collective: hash every file under ``d`` (each rank its share); rank 0 writes ``d/COMPLETE``
     atomically. Call when every rank has finished writing into ``d``."""
     rank, world = _rank_world()
-    sizes = _from_rank0(_listing(d) if rank == 0 else None)
+    sizes = from_rank0(_listing(d) if rank == 0 else None)
     mine = {name: file_sha256(d / name) for name in shares(sizes, world)[rank]}
     digests: Dict[str, str] = {}
     for part in _from_all(mine):
@@ -143,7 +143,7 @@ def verify(d: Path) -> Optional[str]:
     """Collective: None if ``d``'s files match its manifest in size and content, else one line
     naming the first damaged file (manifest order) and why. The same on every rank."""
     rank, world = _rank_world()
-    files, problem = _from_rank0(_read_manifest(d) if rank == 0 else None)
+    files, problem = from_rank0(_read_manifest(d) if rank == 0 else None)
     if problem is not None:
         return problem
     found = {}

@@ -273,7 +273,8 @@ class Trainer:
         path = latest_complete(c.dir) if c.resume == "auto" else Path(c.resume)
         if path is None:
             return
-        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec)
+        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec,
+                                verified=c.resume == "auto")
         self.start_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])

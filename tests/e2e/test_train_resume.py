@@ -245,14 +245,27 @@ def test_distributed_optimizer_run_resumes_exactly(assets, tmp_path):
     assert _comparable(read_metrics(str(cut_dir / "logs" / "metrics.jsonl"))) == _comparable(full)
 
 
-def test_torn_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path):
-    """The newest checkpoint lost a rank's file: every rank resumes from step_2, and steps 3-4
+def _same_size_edit(path):
+    text = path.read_text()
+    path.write_text("[" + text[1:])  # the issue's case: a JSONDecodeError naming no file, before
+
+
+@pytest.mark.parametrize("damage,name,why", [
+    (Path.unlink, "rank_00001.pt", "is missing"),
+    (_same_size_edit, "trainer_state.json", "does not match its SHA-256 in the manifest"),
+], ids=["torn", "same-size-corruption"])
+def test_damaged_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path, damage, name, why):
+    """The newest checkpoint lost a rank's file, or its trainer state changed in place at the
+    same size: rank 0 names the file in one line, every rank resumes from step_2, and steps 3-4
     reproduce the full run's."""
     shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
-    torn = tmp_path / "ckpt" / "step_00000004"
-    (torn / "rank_00001.pt").unlink()
+    damaged = tmp_path / "ckpt" / "step_00000004"
+    damage(damaged / name)
     out = _run(assets, tmp_path, "trainer.total_steps=4")
     assert "resumed from" in out.stdout and "step_00000002" in out.stdout
+    warned = [ln for ln in out.stderr.splitlines() if "CheckpointWarning" in ln]
+    assert len(warned) == 1 and f"checkpoint {damaged} is damaged: {damaged / name} {why}" in warned[0], \
+        out.stderr[-3000:]
     full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full[2:])
 

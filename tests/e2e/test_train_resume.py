@@ -46,30 +46,36 @@ def _overrides(assets, run_dir):
             "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3"]
 
 
+_MARK = "MEGATRON_STARE_E2E_RUN"
+
+
 def _popen(cmd, run_dir, env=None):
-    """Start ``cmd`` in its own session, output to ``run_dir/std{out,err}.txt``."""
+    """Start ``cmd`` in its own session, output to ``run_dir/std{out,err}.txt``; every process of
+    the run inherits ``$MEGATRON_STARE_E2E_RUN=run_dir`` (see ``_kill_leftovers``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "stdout.txt", "w") as fo, open(run_dir / "stderr.txt", "w") as fe:
         return subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: str(run_dir)})
 
 
 def _kill_leftovers(run_dir):
-    """SIGKILL every process whose command line names ``run_dir``: torchrun starts each worker
-    in its own session, so a torchrun that dies (a broken signal path) leaves them running."""
-    needle = f"{run_dir}/".encode()
+    """SIGKILL every process of the run still alive. torchrun starts each worker in its own
+    session, so killing the launcher's session misses them if torchrun died (a broken signal
+    path), and a killed rank orphans its multiprocessing children (Megatron's checkpoint writer
+    starts a manager): they are found by the environment they inherited."""
+    needle = f"\0{_MARK}={run_dir}\0".encode()
     for p in Path("/proc").iterdir():
         try:
-            if p.name.isdigit() and int(p.name) != os.getpid() and needle in (p / "cmdline").read_bytes():
+            if p.name.isdigit() and int(p.name) != os.getpid() and needle in b"\0" + (p / "environ").read_bytes():
                 os.kill(int(p.name), signal.SIGKILL)
         except OSError:
             pass
 
 
 def _finish(proc, cmd, run_dir, expect, timeout=900):
-    # The job runs in its own session that is killed afterwards: a rank killed mid-run orphans
-    # its helper processes (Megatron's checkpoint writer starts a multiprocessing manager), which
-    # would otherwise keep pipes open and linger.
+    # The job runs in its own session that is killed afterwards, and so is whatever else of it
+    # is left: a rank killed mid-run orphans its helper processes, which would otherwise keep
+    # pipes open and linger.
     try:
         code = proc.wait(timeout=timeout)
     finally:

@@ -88,3 +88,16 @@ def test_damaged_checkpoints_fall_back_and_errors_agree(tmp_path):
     assert r0["split"] == (f"rank 1: checkpoint file {root / 'step_00000001' / 'rank_00001.pt'} cannot be "
                            f"read (OSError: [Errno 5] Input/output error: "
                            f"'{root / 'step_00000001' / 'rank_00001.pt'}')")
+
+
+def test_a_broken_dist_checkpoint_meta_file_is_named(tmp_path):
+    """Reading a distributed checkpoint without a manifest (checkpoints_convert): the file is named."""
+    import re
+
+    from megatron_stare.models import dist_ckpt
+
+    (tmp_path / dist_ckpt.META_FILE).write_text("{broken")
+    (tmp_path / dist_ckpt.MEGATRON_META).write_text("{}")
+    with pytest.raises(ValueError, match=rf"^checkpoint file {re.escape(str(tmp_path / dist_ckpt.META_FILE))} "
+                                         rf"cannot be read \(JSONDecodeError"):
+        dist_ckpt.read_meta(tmp_path)

@@ -73,7 +73,10 @@ def read_meta(ckpt_dir: PathLike) -> CheckpointMeta:
         missing = [f for f in (META_FILE, MEGATRON_META) if not (d / f).is_file()]
         raise ValueError(f"checkpoint {d} is incomplete (missing {', '.join(missing)}): the save "
                          f"did not finish; use an earlier checkpoint")
-    raw = json.loads((d / META_FILE).read_text())
+    try:
+        raw = json.loads((d / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint file {d / META_FILE} cannot be read ({type(e).__name__}: {e})") from None
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {d} has format_version {raw.get('format_version')}, "
                          f"this code reads {FORMAT_VERSION}")

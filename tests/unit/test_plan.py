@@ -104,11 +104,16 @@ def test_tied_embedding_is_copied_to_the_last_stage():
     hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 1024, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 4096}
-    cfg = load_config(None, ["parallel.pp=2", "rollout.engine=vllm-server", "model.dtype=bfloat16"])
+    cfg = load_config(None, ["parallel.pp=2", "rollout.engine=vllm-server", "model.dtype=bfloat16",
+                             "rollout.server_urls=[http://rollout-node:8000]"])
     plan = estimate_memory(cfg, hf, 2, 80)
     c = param_counts(hf)
     assert plan.weights_gib == pytest.approx(2 * (2 * c.per_layer + 64 + 1024 * 64) / GiB)
+    # An attached server runs on GPUs of its own; a spawned one shares the driver node's GPUs.
     assert plan.engine_weights_gib == 0 and not plan.layout.colocated
+    cfg.rollout.server_urls = []
+    spawned = estimate_memory(cfg, hf, 2, 80)
+    assert spawned.engine_weights_gib > 0 and spawned.layout.colocated and spawned.layout.engine_instances == 1
 
 
 def _run(capsys, args):

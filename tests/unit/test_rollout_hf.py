@@ -14,10 +14,12 @@ from typing import List, Sequence, Tuple
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+from megatron_stare.config import load_config, validate_config
 from megatron_stare.ops.vocab_parallel import vocab_parallel_logprobs_entropy
-from megatron_stare.rollout import SamplingParams, build_engine
+from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
 from megatron_stare.rollout.hf_engine import filter_logits, score_tokens
 from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
@@ -64,6 +66,20 @@ def mean_abs_logprob_gap(results, model, prompts, temperature: float) -> float:
     return float(gaps.mean())
 
 
+def write_engine_config(path: Path, model_dir, **rollout) -> Path:
+    """A run's YAML as a user writes it: the engine comes from it alone."""
+    cfg = {"model": {"path": str(model_dir)}, "data": {"max_prompt_length": 64},
+           "rollout": {"max_new_tokens": 64, "verify_sync": True, **rollout}, "trainer": {"seed": 0}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def engine_from_config_file(path: Path, world: EngineWorld = EngineWorld()):
+    """The trainer's path: load and validate the config, then ``engine_for_rank``."""
+    cfg = validate_config(load_config(str(path)), world_size=world.world_size, check_paths=False)
+    return engine_for_rank(cfg, world)
+
+
 def stream_state_dict(model_dir, bucket_bytes: int = 64 * 1024):
     """Model ``model_dir``'s HF tensors as a lazy stream, passed through the bucketer."""
     sd = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -102,6 +118,19 @@ def test_greedy_and_logprobs_match_transformers_across_weight_swaps(models):
     eng.update_weights(stream_state_dict(a))
     assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
     eng.shutdown()
+
+
+def test_hf_builds_from_a_config_file_through_the_trainers_path(models, tmp_path):
+    """engine_for_rank (what the Trainer calls): the policy's dtype, on the driver only."""
+    a, _, ref_a, _ = models
+    spec, eng = engine_from_config_file(write_engine_config(tmp_path / "run.yaml", a, engine="hf"))
+    assert (spec.context_length, spec.dtype, eng.device.type) == (128, "float32", "cpu")
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
+    cfg = tmp_path / "bf16.yaml"
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load((tmp_path / "run.yaml").read_text()),
+                                   "model": {"path": str(a), "dtype": "bfloat16"}}))
+    assert next(engine_from_config_file(cfg)[1].model.parameters()).dtype == torch.bfloat16
+    assert engine_from_config_file(cfg, EngineWorld(rank=1, world_size=2))[1] is None  # driver only
 
 
 def test_greedy_equals_transformers_generate(models):

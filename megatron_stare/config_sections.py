@@ -103,7 +103,8 @@ class RewardConfig:
     timeout_s: float = num(5.0, gt=0)
     """Per-response time limit of the verifier in seconds, > 0; a response that exceeds it scores 0."""
     num_workers: int = num(2, ge=0)
-    """Worker processes computing rewards beside the trainer, >= 0 (0 = inline in the driver)."""
+    """Worker processes computing rewards beside each trainer rank (every rank scores its share of
+    a batch, rewards/sharded.py), >= 0 (0 = inline in the rank's process)."""
     overlong_buffer_len: int = num(0, ge=0)
     """DAPO overlong shaping buffer L_buf (tokens), >= 0 and < rollout.max_new_tokens; 0 disables."""
     overlong_penalty_factor: float = num(1.0, ge=0, why="a penalty: a negative factor would reward length")

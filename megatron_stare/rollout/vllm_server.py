@@ -121,12 +121,11 @@ def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) 
             "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
             "--worker-extension-cls", WORKER_EXTENSION]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if spec.cuda:
-        argv.append("--enable-sleep-mode")
-        if spec.devices.gpu_ids:  # spawned beside the trainer: on the driver node's GPUs
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))
-    else:
+    if not spec.cuda:
         argv.append("--enforce-eager")
+    elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep
+        argv.append("--enable-sleep-mode")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))
     return ServerCommand(tuple(argv), env)
 
 

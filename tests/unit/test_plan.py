@@ -155,3 +155,24 @@ def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
     rc, out, _ = _run(capsys, ["--config", YAML32, "--world-size", 32, "--hf-config", QWEN32,
                                "rollout.gpu_memory_utilization=0.12"])
     assert rc == 3 and "less than one 22528-token sequence" in out
+
+
+def test_plan_phases_are_the_training_loops():
+    """One phase list (rollout/phases.py) for the loop and the planner; each phase holds what
+    the engine holds then: everything while awake, a residue while released, the weights again
+    from resume_w (plus one bucket in sync), everything from resume_kv."""
+    from megatron_stare.plan import PHASES
+    from megatron_stare.rollout.phases import PHASES as STEP
+
+    assert PHASES == tuple(p.name for p in STEP) == (
+        "generate", "gather", "score", "release", "train", "resume_w", "sync", "resume_kv")
+    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    ph = p.phases
+    awake = p.engine_weights_gib + p.engine_kv_gib + p.engine_workspace_gib
+    assert ph["generate"] == ph["gather"] == ph["score"] == ph["resume_kv"] == p.peak_gib
+    assert ph["release"] == pytest.approx(ph["generate"] - awake + p.engine_asleep_gib)
+    assert ph["train"] == pytest.approx(ph["release"] + p.activations_gib + p.logits_gib)
+    assert ph["resume_w"] == pytest.approx(ph["release"] + p.engine_weights_gib)
+    assert ph["sync"] == pytest.approx(ph["resume_w"] + p.sync_bucket_gib)
+    header = next(ln for ln in p.format().splitlines() if ln.strip().startswith("component"))
+    assert header.split()[1:] == list(PHASES)

@@ -20,3 +20,12 @@ def parity_reward_slow_on_rank_1(response: str, answer: str, metadata: dict) -> 
     if os.environ.get("RANK") == "1":
         time.sleep(SLOW_RANK_SLEEP_S)
     return parity_reward(response, answer, metadata)
+
+
+def parity_reward_raises_on_rank_1(response: str, answer: str, metadata: dict) -> float:
+    """``parity_reward``, except that it raises on rank 1 (``RANK``): a reward bug one rank hits."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ValueError("verifier bug on rank 1")
+    return parity_reward(response, answer, metadata)

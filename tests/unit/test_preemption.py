@@ -49,3 +49,56 @@ def test_handler_records_first_signal_and_restores(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     write_status(PREEMPTED_EXIT_CODE)
     assert status.read_text() == "75\n"
+
+
+def _writer_queue_after_signals(rank, world, immune, out_dir):
+    """Start megatron-core's checkpoint-writer results queue (``immune``: through
+    ``start_writer_results_queue``), send its Manager every preemption signal as torchrun's
+    ``killpg`` would, then save and load a sharded checkpoint through it. Returns (Manager alive,
+    loaded tensor or the save's error, signal this rank recorded, signal mask unchanged)."""
+    import time
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_stare.compat import cpu as cpu_compat
+    from megatron_stare.models.dist_ckpt import start_writer_results_queue
+
+    cpu_compat.apply()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with Preemption.install() as p:
+        if immune:
+            start_writer_results_queue()
+        else:
+            filesystem_async._get_write_results_queue()
+        manager = filesystem_async._results_queue._manager._process
+        for s in PREEMPTION_SIGNALS:
+            os.kill(manager.pid, s)
+        time.sleep(1.0)
+        alive = manager.is_alive()
+        w = torch.arange(6.0).reshape(2, 3)
+        os.makedirs(out_dir)
+        try:
+            dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}, out_dir)
+            loaded = dist_checkpointing.load(
+                {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)}, out_dir)["w"]
+        except Exception as e:  # noqa: BLE001 - the unprotected Manager's failure is the point
+            loaded = f"{type(e).__name__}: {e}"
+        return alive, loaded, p.received, signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+
+
+def test_checkpoint_writer_survives_preemption_signals(tmp_path):
+    """torchrun delivers a preemption signal to each rank's whole process group, Megatron's
+    checkpoint-writer Manager included; the save the signal asks for still works (CI once saw the
+    Manager die mid-start: EOFError). Without ``start_writer_results_queue`` the Manager dies and
+    the save fails: the protection is needed. The rank itself received nothing; its mask is as
+    before."""
+    import torch
+
+    (alive, loaded, received, mask_same), = run_on_ranks(_writer_queue_after_signals, 1, True, str(tmp_path / "a"))
+    assert alive and received is None and mask_same
+    assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, torch.arange(6.0).reshape(2, 3)), loaded
+    (alive, loaded, _, _), = run_on_ranks(_writer_queue_after_signals, 1, False, str(tmp_path / "b"))
+    assert not alive and isinstance(loaded, str), loaded

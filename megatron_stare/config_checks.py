@@ -11,6 +11,9 @@ the fix. In order:
 2. the parallel layout against the world size, the device, and the model's shape: TP divides
    the attention heads, the KV heads and the FFN width, PP the layers (``ParallelLayout``);
    the rollout engine's TP against the heads (vLLM's rules) and, colocated, the world size;
+   every rollout setting the chosen engine cannot honour (``_check_engine``: SGLang without
+   CUDA, server URLs for an engine that takes none, top-p/top-k whose log-probs the trainer
+   cannot match, checksums SGLang cannot report);
 3. lengths: a max-length sequence fits the model's positions and one micro-batch;
 4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval).
 
@@ -22,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 from megatron_stare.config_fields import ConfigError, check_fields
 from megatron_stare.config_sections import Config
+from megatron_stare.rollout.spec import ENGINE_TRAITS
 
 #: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 #: Engines that run inside the trainer's ranks (their TP groups tile the world).
-COLOCATED_ENGINES = ("vllm", "sglang")
+COLOCATED_ENGINES = tuple(name for name, t in ENGINE_TRAITS.items() if t.colocated)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -91,6 +96,38 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
              f"or replicates the KV heads); choose rollout.tp dividing {kv} or a multiple of it")
     _require(spec.ffn_hidden_size % r.tp == 0, f"rollout.tp={r.tp} does not divide the FFN width "
                                                f"{spec.ffn_hidden_size}; choose a divisor")
+
+
+def _check_engine(cfg: Config, cuda: bool) -> None:
+    """Rollout settings the chosen engine cannot honour, one line each."""
+    r = cfg.rollout
+    t = ENGINE_TRAITS[r.engine]
+    if t.cuda_only:
+        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
+    if not t.server:
+        _require(not r.server_urls, f"rollout.server_urls is set, but rollout.engine={r.engine} "
+                                    f"{'runs inside the trainer ranks' if t.colocated else 'runs in the driver'}"
+                                    f" and attaches to no server; use vllm-server or sglang-server, "
+                                    f"or clear rollout.server_urls")
+    elif not t.can_spawn:
+        _require(bool(r.server_urls), f"rollout.engine={r.engine} attaches to a running server: set "
+                                      f"rollout.server_urls=[http://host:port] (start the server with "
+                                      f"the command python -m megatron_stare.rollout.server_cmd prints)")
+    _require(len(r.server_urls) <= 1,
+             f"rollout.server_urls has {len(r.server_urls)} servers; this version drives one "
+             f"(dispatch over several servers is not built yet); keep one")
+    for url in r.server_urls:
+        _require(re.fullmatch(r"https?://[^/:\s]+:\d+/?", url) is not None,
+                 f"rollout.server_urls: {url!r} is not of the form http://host:port")
+    for name, off, value in (("top_p", 1.0, r.top_p), ("top_k", -1, r.top_k)):
+        _require(value == off, f"rollout.{name}={value}: engines return the log-probs of the "
+                               f"{name.replace('_', '-')}-filtered distribution they sample from, which the "
+                               f"trainer's log-prob pass (softmax(logits / temperature) over the whole "
+                               f"vocabulary) cannot match; set rollout.{name}={off:g} (rollout.eval_top_p "
+                               f"still filters evaluation)")
+    if r.engine.startswith("sglang"):
+        _require(not r.verify_sync, f"rollout.verify_sync=true, but rollout.engine={r.engine} cannot "
+                                    f"report checksums of the weights it holds; set rollout.verify_sync=false")
 
 
 def _check_lengths(cfg: Config, spec) -> None:
@@ -184,9 +221,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
         if m.ref_path is not None:
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
-    r = cfg.rollout
-    if r.engine.startswith("sglang"):
-        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
+    _check_engine(cfg, cuda)
     _check_rollout_layout(cfg, world_size, spec)
     _check_lengths(cfg, spec)
 

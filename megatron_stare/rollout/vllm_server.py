@@ -1,8 +1,21 @@
 """``vllm-server``: a vLLM OpenAI server in its own process; weights pushed over a process group.
 
-The engine starts ``python -m vllm.entrypoints.openai.api_server`` with
-``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``, ``/reset_prefix_cache``,
-``/sleep``, ``/wake_up``) and our worker extension. Generation goes over HTTP to
+Two ways to get a server, both from the spec (``rollout/spec.py``):
+
+- spawned (``rollout.server_urls`` empty): the driver starts ``server_command(spec)`` -
+  ``python -m vllm.entrypoints.openai.api_server`` with the spec's ``--tensor-parallel-size``,
+  ``--dtype`` (the policy's), ``--gpu-memory-utilization``, ``--max-model-len``, ``--seed``,
+  ``--logprobs-mode processed_logprobs`` (the log-prob convention), ``--generation-config
+  vllm``, and on a GPU ``--enable-sleep-mode`` with ``CUDA_VISIBLE_DEVICES`` = the driver
+  node's first ``tp`` GPUs, which it shares with the trainer (so it sleeps while the trainer
+  trains, and its weights come over gloo: NCCL refuses two ranks on one GPU);
+- attached (``rollout.server_urls=[http://host:port]``): a server started elsewhere with the
+  same command (``python -m megatron_stare.rollout.server_cmd`` prints it), on GPUs of its
+  own: nothing to release, weights over NCCL on GPUs. Attaching checks that the server honours
+  the spec (TP size, dtype, context length, log-prob mode) and fails in one line otherwise.
+
+Either server runs with ``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``,
+``/reset_prefix_cache``, ``/sleep``, ``/wake_up``) and our worker extension. Generation goes over HTTP to
 ``/v1/completions`` with token-id prompts, ``logprobs=0`` and ``return_token_ids``: no text,
 no tokenizer round trip on our side.
 
@@ -13,7 +26,7 @@ set up from the worker extension through ``/collective_rpc``. Each update then r
 issued from a helper thread) while this process broadcasts the HF stream in flat buckets of
 ``bucket_bytes``; then the prefix cache is reset.
 
-The server process (and the engine-core process it spawns) runs in its own session, so
+A spawned server process (and the engine-core process it spawns) runs in its own session, so
 ``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
 
 Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
@@ -27,7 +40,6 @@ comes at once rather than after the timeout.
 from __future__ import annotations
 
 import atexit
-import http.client
 import json
 import logging
 import os
@@ -39,9 +51,11 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,22 +63,17 @@ from torch import Tensor
 
 from ..weight_sync.plan import TensorChecksum
 from ..weight_sync.transport import ProcessGroupSender, SyncStats
-from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
-from .vllm_engine import WORKER_EXTENSION
+from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .http import EngineFailure, request_json
+from .spec import EngineSpec
+from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
-__all__ = ["EngineFailure", "VLLMServerEngine"]
+__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "route_address", "server_command"]
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
 
-
-#: Transport-level failures of an HTTP call (``HTTPError``, a reply, is handled apart).
-TRANSPORT_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError)
-
-
-class EngineFailure(RuntimeError):
-    """A rollout server died or stopped answering; the first line names it."""
 
 
 def _free_port(host: str) -> int:
@@ -73,37 +82,82 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def route_address(url: str) -> str:
+    """This machine's address on the route to ``url``'s host: where a server reaches the
+    weight group's store, which the trainer (group rank 0) hosts. Sends nothing (a UDP
+    socket's connect only picks the route)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, parts.port or 80))
+        return s.getsockname()[0]
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """A server's command line and the environment it needs on top of the caller's."""
+
+    argv: Tuple[str, ...]
+    env: Dict[str, str]
+
+    def shell(self) -> str:
+        """One line for a launch script: ``VAR=... python -m ...``."""
+        import shlex
+
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
+                         *(shlex.quote(a) for a in self.argv)])
+
+
+def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> ServerCommand:
+    """The spec as vLLM server flags: the command a spawned server runs, and the one a launch
+    script starts an attached server with."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
+            "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
+            "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--seed", str(spec.seed),
+            "--max-model-len", str(spec.context_length),
+            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
+            "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
+            "--worker-extension-cls", WORKER_EXTENSION]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if not spec.cuda:
+        argv.append("--enforce-eager")
+    elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep
+        argv.append("--enable-sleep-mode")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))
+    return ServerCommand(tuple(argv), env)
+
+
 @register_engine("vllm-server")
 class VLLMServerEngine(RolloutEngine):
     """A vLLM server process driven over HTTP, weights over a gloo/NCCL group.
 
     Args:
-        model_path: HF checkpoint directory the server starts from.
-        host / port: where the server listens (default a free port on 127.0.0.1).
-        seed, max_model_len, dtype, enforce_eager, tensor_parallel_size: server flags.
-        extra_args: more server command-line flags.
-        env: extra environment for the server (``OMP_NUM_THREADS=1`` is the default there).
+        command: the server to start (``server_command``); or
+        base_url: ``http://host:port`` of a running server to attach to.
+        tensor_parallel_size: the server's TP size (its workers join the weight group as 1..W).
+        sleeps: the server shares GPUs with the trainer and releases its memory while it trains
+            (a spawned server; attached ones run on GPUs of their own).
+        expect: what an attached server must report (``tp``, ``dtype``, ``context_length``).
         bucket_bytes: flat bucket size of the weight broadcast.
-        weight_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (GPU default).
+        weight_backend: ``"gloo"`` or ``"nccl"``.
         record_checksums: workers record checksums of received tensors (see ``checksum``).
         startup_timeout_s / request_timeout_s: readiness wait; per HTTP call and group timeout.
         max_concurrency: parallel HTTP requests (the server batches them).
-        keep_log: keep the server's log file after ``shutdown()`` (its tail is in every
+        keep_log: keep a spawned server's log file after ``shutdown()`` (its tail is in every
             start-up error anyway).
     """
 
-    def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: Optional[int] = None,
-                 seed: int = 0, max_model_len: int = 2048, dtype: str = "float32",
-                 enforce_eager: Optional[bool] = None, tensor_parallel_size: int = 1,
-                 extra_args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+    def __init__(self, *, command: Optional[ServerCommand] = None, base_url: Optional[str] = None,
+                 tensor_parallel_size: int = 1, sleeps: bool = False, expect: Optional[dict] = None,
                  bucket_bytes: int = 256 << 20, weight_backend: Optional[str] = None,
                  record_checksums: bool = False, startup_timeout_s: float = 300.0,
-                 request_timeout_s: float = 600.0, max_concurrency: int = 64,
-                 keep_log: bool = False):
+                 request_timeout_s: float = 600.0, max_concurrency: int = 64, keep_log: bool = False):
+        if (command is None) == (base_url is None):
+            raise ValueError("vllm-server: pass exactly one of command (spawn) or base_url (attach)")
         cuda = torch.cuda.is_available()
         self.keep_log = keep_log
-        self.host, self.port = host, port or _free_port(host)
-        self.base_url = f"http://{host}:{self.port}"
         self.bucket_bytes = bucket_bytes
         self.weight_backend = weight_backend or ("nccl" if cuda else "gloo")
         self.world = tensor_parallel_size
@@ -111,20 +165,22 @@ class VLLMServerEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
         self.cpu = not cuda
+        self.sleeps = sleeps
         self._group = None
+        self._proc = self._log = None
         self.last_sync: Optional[SyncStats] = None
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model_path), "--served-model-name", SERVED_NAME,
-               "--host", host, "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
-               "--max-model-len", str(max_model_len),
-               "--tensor-parallel-size", str(tensor_parallel_size),
-               "--worker-extension-cls", WORKER_EXTENSION, *extra_args]
-        if (self.cpu if enforce_eager is None else enforce_eager):
-            cmd.append("--enforce-eager")
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        if base_url is not None:
+            self.base_url = base_url.rstrip("/")
+            self.host = route_address(self.base_url)  # the weight group's store is ours
+            self._check_attached(expect or {})
+            return
+        argv = list(command.argv)
+        self.host, self.port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+        self.base_url = f"http://{self.host}:{self.port}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
-        self._proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        self._proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         atexit.register(self.shutdown)
         try:
@@ -133,14 +189,45 @@ class VLLMServerEngine(RolloutEngine):
             self.shutdown()
             raise
 
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> "VLLMServerEngine":
+        common = dict(tensor_parallel_size=spec.tp, bucket_bytes=spec.sync_bucket_bytes,
+                      record_checksums=spec.record_checksums)
+        if spec.attaches:  # on GPUs of its own: NCCL on GPUs, nothing to release
+            return cls(base_url=spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
+                       expect={"tp": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
+                       **common)
+        host = "127.0.0.1"
+        # Spawned beside the trainer: it shares the driver's GPU, where NCCL refuses a second rank.
+        return cls(command=server_command(spec, host, _free_port(host)), weight_backend="gloo",
+                   sleeps=True, **common)
+
+    def _check_attached(self, expect: dict) -> None:
+        """An attached server must honour the spec; one line naming the difference otherwise."""
+        infos = self._rpc("stare_engine_info")
+        got = {"tp": len(infos), "dtype": infos[0]["dtype"], "context_length": infos[0]["max_model_len"],
+               "logprobs_mode": infos[0]["logprobs_mode"]}
+        want = {**expect, "logprobs_mode": LOGPROBS_MODE}
+        bad = [k for k in want if k in got and (got[k] < want[k] if k == "context_length" else got[k] != want[k])]
+        if bad:
+            raise ValueError(f"vllm-server at {self.base_url} does not match the run: "
+                             + ", ".join(f"{k} {got[k]} (the run needs {want[k]})" for k in bad)
+                             + "; start it with the command `python -m megatron_stare.rollout.server_cmd` prints")
+
     # ---------------------------------------------------------------- process & HTTP
     def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of the server's log (for error messages)."""
+        """The last ``n`` lines of a spawned server's log (for error messages)."""
+        if self._log is None:
+            return ""
         with open(self._log.name, errors="replace") as f:
             return "".join(f.readlines()[-n:])
 
     def failure(self, what: str, err: BaseException) -> EngineFailure:
         """``EngineFailure`` for ``what`` (a call that failed with ``err``): dead or not answering."""
+        if self._log is None:  # attached: no process or log of ours to show
+            detail = str(err).splitlines()[0] if str(err) else ""
+            return EngineFailure(f"vllm-server at {self.base_url} failed during {what} "
+                                 f"({type(err).__name__}: {detail}): is it still up? See its own log")
         proc, code = self._proc, None
         if proc is not None:
             try:  # a server that is going down may take a moment to be reaped
@@ -169,18 +256,8 @@ class VLLMServerEngine(RolloutEngine):
         raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
 
     def _request(self, path: str, body: Optional[dict] = None, method: str = "POST"):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {path} failed ({e.code}): "
-                               f"{e.read().decode(errors='replace')[:2000]}") from None
-        except TRANSPORT_ERRORS as e:
-            raise self.failure(path.split("?")[0], e) from None
-        return json.loads(raw) if raw else None
+        return request_json(self.base_url + path, body, method=method, timeout=self.request_timeout_s,
+                            server="vLLM server", failure=self.failure)
 
     def _rpc(self, method: str, *args: str) -> list:
         """Call a worker-extension method on every worker; returns the per-worker results."""
@@ -191,6 +268,8 @@ class VLLMServerEngine(RolloutEngine):
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
                  ) -> List[GenerationResult]:
+        self.check_can_generate()
+
         def one(i: int) -> List[GenerationResult]:
             body = {
                 "model": SERVED_NAME, "prompt": list(prompt_token_ids[i]), "n": params.n,
@@ -251,6 +330,7 @@ class VLLMServerEngine(RolloutEngine):
         self._push(lambda sender: sender.send_buckets(buckets))
 
     def _push(self, send) -> None:
+        self.check_can_load_weights()
         self._ensure_weight_group()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if self.weight_backend == "nccl" else torch.device("cpu"))
@@ -279,38 +359,40 @@ class VLLMServerEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- memory & life cycle
     @property
-    def supports_sleep(self) -> bool:
+    def memory_release(self) -> MemoryRelease:
+        if not self.sleeps:
+            return MemoryRelease(False, "the server runs on GPUs of its own; nothing to release there")
+        if self.cpu:
+            return MemoryRelease(False, "vLLM-CPU accepts sleep() but frees nothing")
+        return MemoryRelease(True, f"vLLM sleep level {SLEEP_LEVEL}: weights to host memory, KV cache discarded")
+
+    def _release(self) -> bool:
+        if not self.sleeps:
+            return False
+        self._request(f"/sleep?level={SLEEP_LEVEL}")
         return not self.cpu
 
-    def sleep(self) -> bool:
-        if not self.supports_sleep:
-            log.warning("vllm server: sleep skipped - vLLM-CPU accepts sleep() but frees nothing; "
-                        "memory stays allocated")
-            return False
-        self._request("/sleep?level=1")
-        return True
+    def _resume_weights(self) -> None:
+        if self.sleeps:
+            self._request("/wake_up?tags=weights")
 
-    def wake_up(self) -> bool:
-        if not self.supports_sleep:
-            return False
-        self._request("/wake_up?tags=weights")
-        self._request("/wake_up")
-        return True
+    def _resume_kv(self) -> None:
+        if self.sleeps:
+            self._request("/wake_up?tags=kv_cache")
+
+    def is_sleeping(self) -> bool:
+        """The server's own answer (``/is_sleeping``), for checks of the phase order."""
+        return bool(self._request("/is_sleeping", method="GET")["is_sleeping"])
 
     def shutdown(self) -> None:
         proc = getattr(self, "_proc", None)
         if proc is None:
+            if getattr(self, "_group", None) is not None:  # attached: the server stays up
+                self._destroy_group()
             return
         self._proc = None
         atexit.unregister(self.shutdown)
-        if self._group is not None:
-            try:
-                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-                stateless_destroy_torch_distributed_process_group(self._group)
-            except Exception as e:  # noqa: BLE001 - the server is going away regardless
-                log.debug("weight group teardown: %s", e)
-            self._group = None
+        self._destroy_group()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -321,3 +403,13 @@ class VLLMServerEngine(RolloutEngine):
         self._log.close()
         if not self.keep_log:
             os.unlink(self._log.name)
+
+    def _destroy_group(self) -> None:
+        if self._group is not None:
+            try:
+                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+                stateless_destroy_torch_distributed_process_group(self._group)
+            except Exception as e:  # noqa: BLE001 - the server is going away regardless
+                log.debug("weight group teardown: %s", e)
+            self._group = None

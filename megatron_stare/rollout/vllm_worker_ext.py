@@ -129,6 +129,13 @@ class StareWorkerExtension:
             out[name] = None if chosen is None else chosen.to_json()
         return out
 
+    def stare_engine_info(self) -> Dict[str, object]:
+        """What this worker runs with, for the trainer's check that an attached server honours
+        the run's spec: dtype (``float32``/``bfloat16``), ``max_model_len``, ``logprobs_mode``."""
+        mc = self.model_runner.model_config
+        return {"dtype": str(mc.dtype).removeprefix("torch."), "max_model_len": int(mc.max_model_len),
+                "logprobs_mode": str(mc.logprobs_mode)}
+
     def stare_param_names(self) -> List[str]:
         """vLLM's own parameter names (fused, engine-side), for diagnostics."""
         return [n for n, _ in self.model_runner.get_model().named_parameters()]

@@ -47,7 +47,7 @@ from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed en
 class Trainer:
     """Builds every part from the config, then ``fit()`` runs the steps."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, preemption: Optional[Preemption] = None):
         from megatron_stare.actor import ActorSettings, MegatronActor
         from megatron_stare.algorithms.gepo import GepoShaper
         from megatron_stare.algorithms.stare import StareController
@@ -58,9 +58,9 @@ class Trainer:
         from megatron_stare.rewards import get_reward_fn
 
         self.cfg = cfg
-        # First: a preemption signal during the (long) set-up is recorded, not fatal, and the run
-        # stops at the first step boundary.
-        self.preemption = Preemption.install()
+        # First (unless main() did it already): a preemption signal during the (long) set-up is
+        # recorded, not fatal, and the run stops at the first step boundary.
+        self.preemption = preemption if preemption is not None else Preemption.install()
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
@@ -396,15 +396,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra = ["--world-size", str(args.world_size or int(os.environ.get("WORLD_SIZE", "1"))),
                  "--gpu-mem-gb", str(args.gpu_mem_gb)]
         return plan.main(["--config", args.config, *extra, *args.overrides])
+    # Before anything slow: torchrun SIGTERMs every worker as soon as one exits. A user error is
+    # found on every rank but printed by rank 0 alone, so a rank 0 still importing when a faster
+    # rank exits must not die of that SIGTERM before its line: from here the signal is only
+    # recorded (preemption.py), and torchrun's SIGKILL follows after its shutdown timeout.
+    preemption = Preemption.install()
     try:
         cfg = validate_config(load_config(args.config, args.overrides),
                               world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
+        preemption.close()
         return 2
     try:
-        stopped = Trainer(cfg).fit()
+        stopped = Trainer(cfg, preemption).fit()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
         # detected identically on every rank before any collective: one line from rank 0. A
@@ -416,6 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     finally:
+        preemption.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     if stopped is not None:

@@ -79,7 +79,7 @@ def test_32b_dry_run_fits_on_4_nodes(run):
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
-    assert "vllm colocated, engine tp 8 -> 4 instances" in out and "fits" in out
+    assert "vllm on the trainer's GPUs, engine tp 8 -> 4 instances" in out and "fits" in out
     print(out)
 
 

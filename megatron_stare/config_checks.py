@@ -113,9 +113,12 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
         _require(bool(r.server_urls), f"rollout.engine={r.engine} attaches to a running server: set "
                                       f"rollout.server_urls=[http://host:port] (start the server with "
                                       f"the command python -m megatron_stare.rollout.server_cmd prints)")
-    _require(len(r.server_urls) <= 1,
-             f"rollout.server_urls has {len(r.server_urls)} servers; this version drives one "
-             f"(dispatch over several servers is not built yet); keep one")
+    _require(len(r.server_urls) <= 1 or r.engine == "vllm-server",
+             f"rollout.server_urls has {len(r.server_urls)} servers; rollout.engine={r.engine} drives one "
+             f"(its weight push goes to one server); keep one, or use vllm-server, whose dispatcher "
+             f"takes several")
+    _require(len(set(r.server_urls)) == len(r.server_urls),
+             f"rollout.server_urls lists a server twice ({r.server_urls}); list each once")
     for url in r.server_urls:
         _require(re.fullmatch(r"https?://[^/:\s]+:\d+/?", url) is not None,
                  f"rollout.server_urls: {url!r} is not of the form http://host:port")

@@ -120,6 +120,17 @@ class PlanLayout:
     """KV cache for all of an instance's sequences at full length, per GPU."""
     kv_concurrent_sequences: int
     """Full-length sequences the KV pool holds at once (per instance)."""
+    replicas: int = 1
+    """Engine replicas that each generate their own slice of the prompts (data-parallel rollout)."""
+    prompts_per_replica: int = 0
+    """Largest slice of a step's prompts one replica generates (each with ``rollout.n`` samples)."""
+    sync_received_gib: float = 0.0
+    """Per weight sync, what each rank's engine (colocated) or the driver's sender (server/hf)
+    receives: the whole HF model, in the model's dtype."""
+    sync_gathered_gib: float = 0.0
+    """Per weight sync, what each rank receives in the TP all-gather of its stage's sharded weights."""
+    sync_kept_gib: float = 0.0
+    """Per weight sync, what a colocated engine rank keeps of what it received (its 1/engine-tp)."""
 
 
 def _always(p: Phase) -> bool:
@@ -210,6 +221,12 @@ class MemoryPlan:
         else:
             lines.append(f"  rollout  {L.engine} on separate GPUs (not counted here), "
                          f"engine tp {L.engine_tp}")
+        lines.append(f"  replicas {L.replicas} engine replica(s), each generating its own slice of a step's prompts: "
+                     f"<= {L.prompts_per_replica} prompts x n samples per replica")
+        kept = (f", its engine rank keeps {L.sync_kept_gib:.1f} GiB (vLLM's loader takes full HF tensors and "
+                f"slices them itself)" if L.sync_kept_gib else "")
+        lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
+                     f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -338,6 +355,12 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             activations_gib=act / GiB, logits_gib=logits / GiB,
             reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
     stage = max(stages, key=lambda i: max(_phase_totals(stages[i]).values()))
+    # Data-parallel rollout (rollout/data_parallel.py): a colocated engine's TP groups are its
+    # replicas, each generating its slice; a driver client is one (servers share its batch).
+    replicas = world_size // etp if traits.colocated else 1
+    # The TP all-gather of the export: (tp - 1) shards of each TP-split weight of the stage.
+    gathered = max((tp - 1) * (_stage_params(counts, pp, tp, i) - _stage_params(counts, pp, 10 ** 9, i))
+                   for i in stages) * wbytes
     phases = _phase_totals(stages[stage])
     peak_phase = max(PHASES, key=phases.get)
     layout = PlanLayout(
@@ -346,7 +369,10 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         layers_per_stage=L // pp, micro_batch_tokens=mb_tokens, tokens_per_cp_rank=s_local,
         num_micro_batches=n_micro, max_seq_len=max_seq, engine=r.engine, colocated=colocated,
         engine_tp=etp, engine_instances=instances, sequences_per_instance=seqs,
-        kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent)
+        kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent,
+        replicas=replicas, prompts_per_replica=math.ceil(t.prompts_per_step / replicas),
+        sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
+        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
                       fits=True, assumptions=a, **stages[stage])

@@ -7,8 +7,8 @@ parallel plan and a per-GPU memory estimate without touching a GPU.
 One step reads like the algorithm, phase by phase (``rollout/phases.py``, which the dry-run
 planner's memory model reads too):
 
-    1 generate     the engine: n responses per prompt          engine ranks (spec.py)
-    2 gather       every rank receives the same samples         broadcast from the driver
+    1 generate     the engine: n responses per prompt          each replica its slice (spec.py)
+    2 gather       every rank receives the same samples         each replica's slice, all-gathered
     3 score        each response scored once, scores shared     sharded over ranks; DAPO
                    (1-3 repeat while dynamic sampling wants more groups: the same on every rank)
     4 release      the engine frees its weights and KV cache    its supported sleep level
@@ -178,7 +178,7 @@ class Trainer:
             with self.phase(GENERATE):
                 results = self.generate(prompts, params)
             with self.phase(GATHER):
-                results = self.gather(results)
+                results = self.gather(results, len(prompts), params.n)
             with self.phase(SCORE):
                 shared = self.score(prompts, results)
             selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
@@ -190,17 +190,24 @@ class Trainer:
         return samples, stats
 
     def generate(self, prompts, params):
-        """Phase 1: the generating ranks' engine results, prompt-major (None elsewhere)."""
-        if not self.engine_spec.devices.generates:
-            return None
-        return self.engine.generate([p.token_ids for p in prompts], params)
+        """Phase 1: each engine replica generates its own slice of the prompts, seeded by their
+        batch indices (``rollout/data_parallel.py``); None on ranks that do not generate."""
+        from megatron_stare.rollout.data_parallel import replica_slice
 
-    def gather(self, results):
-        """Phase 2: every rank gets the driver's results (with data-parallel rollout, where the
-        replicas' shards are gathered)."""
-        payload = [results if self.rank == DRIVER else None]
-        dist.broadcast_object_list(payload, src=DRIVER)
-        return payload[0]
+        d = self.engine_spec.devices
+        if not d.generates:
+            return None
+        part = replica_slice(len(prompts), d.replica, d.replicas)
+        return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+
+    def gather(self, results, num_prompts: int, n: int):
+        """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica
+        contributes), and checks it is the whole batch."""
+        from megatron_stare.rollout.data_parallel import check_prompt_major, gather_results
+
+        gathered = gather_results(results, self.engine_spec.devices.leads_replica)
+        check_prompt_major(gathered, num_prompts, n)
+        return gathered
 
     def score(self, prompts, results):
         """Phase 3: each response scored once on one rank, the scores shared by all ranks."""
@@ -286,7 +293,7 @@ class Trainer:
 
         prompts = list(self.eval_set)
         params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
-        results = self.gather(self.generate(prompts, params))
+        results = self.gather(self.generate(prompts, params), len(prompts), params.n)
         return eval_metrics(ScoredBatch(prompts, results, self.score(prompts, results).scores, params.n))
 
     def preempted(self, step: int) -> bool:

@@ -19,6 +19,15 @@ Destinations (``dst``):
   other data-parallel replicas do nothing.
 
 Every rank of the job must iterate the generator to its end (collectives inside).
+
+Volume per rank per sync with ``dst="all"`` (a colocated engine): each rank receives ``(tp - 1)``
+shards of every TP-split weight of its stage in the all-gather, and yields the WHOLE HF model
+(``benchmarks/bench_rollout_dp.py``: Megatron TP2 -> vLLM TP2, each rank gathers 0.5x and
+receives 1.0x the model's bytes; its engine rank keeps about 1/2). Even where the engine's TP
+layout equals the trainer's, this cannot be cut with vLLM 0.32: its loaders
+(``weight_loader`` / ``reload_weights``) take full HF tensors and narrow them to the TP rank
+themselves, and it has no entry point for pre-sharded tensors. For the 32B recipe that is 61 GiB
+received per rank per sync (``--dry-run`` prints it).
 """
 
 from __future__ import annotations

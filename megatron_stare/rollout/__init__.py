@@ -37,7 +37,7 @@ __all__ = ["ENGINES", "EngineSpec", "EngineWorld", "GenerationResult", "MemoryRe
 def _register_all() -> None:
     # Lives above the engine modules (they import ``base`` to register themselves); importing
     # them here registers every engine, while their heavy dependencies stay lazy inside them.
-    from . import hf_engine, sglang_engine, sglang_server, vllm_engine, vllm_server  # noqa: F401
+    from . import hf_engine, sglang_engine, sglang_server, vllm_engine, vllm_fleet  # noqa: F401
 
 
 def build_engine(name: str, model_path: str, **kwargs) -> "RolloutEngine":

@@ -44,8 +44,8 @@ from .phases import EngineMemory
 if TYPE_CHECKING:
     from .spec import EngineSpec
 
-__all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "register_engine",
-           "sample_seed"]
+__all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
+           "register_engine", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def batch_indices(prompt_token_ids: Sequence[Sequence[int]], prompt_indices: Optional[Sequence[int]]
+                  ) -> List[int]:
+    """The batch index of each prompt of a ``generate`` call (see ``RolloutEngine.generate``)."""
+    if prompt_indices is None:
+        return list(range(len(prompt_token_ids)))
+    if len(prompt_indices) != len(prompt_token_ids):
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_token_ids)} prompts")
+    return [int(i) for i in prompt_indices]
 
 
 def sample_seed(seed: int, prompt_index: int) -> int:
@@ -138,9 +148,15 @@ class RolloutEngine(ABC):
         raise NotImplementedError(f"{cls.__name__} does not build from an EngineSpec")
 
     @abstractmethod
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        """``len(prompt_token_ids) * params.n`` results, prompt-major."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        """``len(prompt_token_ids) * params.n`` results, prompt-major.
+
+        ``prompt_indices``: each prompt's index in the whole batch (default ``0..P-1``), which
+        seeds it (``sample_seed(params.seed, index)``) and becomes its results' ``prompt_index``:
+        a data-parallel replica passes its slice's indices (``rollout/data_parallel.py``), so a
+        prompt samples the same stream whichever replica generates it.
+        """
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:

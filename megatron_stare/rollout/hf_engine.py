@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from ..weight_sync.plan import TensorChecksum, tensor_checksum
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
 from .spec import EngineSpec
 
 __all__ = ["HFEngine", "filter_logits", "hf_engine_kwargs", "score_tokens"]
@@ -100,9 +101,10 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         base_seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2 ** 62)
         rows_by_len: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         for p, ids in enumerate(prompt_token_ids):
@@ -115,9 +117,9 @@ class HFEngine(RolloutEngine):
             for i in range(0, len(rows), self.max_batch_rows):
                 chunk = rows[i:i + self.max_batch_rows]
                 prompts = [prompt_token_ids[p] for p, _ in chunk]
-                seeds = [sample_seed(sample_seed(base_seed, p), s) for p, s in chunk]
+                seeds = [sample_seed(sample_seed(base_seed, idx[p]), s) for p, s in chunk]
                 for (p, s), (toks, lps, reason) in zip(chunk, self._generate_rows(prompts, seeds, params)):
-                    out[(p, s)] = GenerationResult(p, s, toks, torch.tensor(lps, dtype=torch.float32),
+                    out[(p, s)] = GenerationResult(idx[p], s, toks, torch.tensor(lps, dtype=torch.float32),
                                                    reason)
         return [out[(p, s)] for p in range(len(prompt_token_ids)) for s in range(params.n)]
 

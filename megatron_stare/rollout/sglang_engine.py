@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..weight_sync.plan import iter_buckets
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
 from .phases import EngineMemory
 from .spec import EngineSpec
 
@@ -81,10 +82,14 @@ def sglang_engine_class():
     return sglang.Engine
 
 
-def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                prompt_indices: Optional[Sequence[int]] = None
                 ) -> Tuple[List[Tuple[int, int]], List[List[int]], List[dict]]:
-    """``(rows, input_ids, sampling_params)``: one SGLang request row per (prompt, sample)."""
-    rows = [(p, s) for p in range(len(prompt_token_ids)) for s in range(params.n)]
+    """``(rows, input_ids, sampling_params)``: one SGLang request row per (prompt, sample); a
+    row is ``(batch index of the prompt, sample index)`` (see ``RolloutEngine.generate``)."""
+    idx = batch_indices(prompt_token_ids, prompt_indices)
+    local = {g: p for p, g in enumerate(idx)}
+    rows = [(g, s) for g in idx for s in range(params.n)]
     sp = []
     for p, s in rows:
         d = {"temperature": params.temperature, "top_p": params.top_p,
@@ -94,7 +99,7 @@ def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParam
         if params.seed is not None:
             d["sampling_seed"] = sample_seed(sample_seed(params.seed, p), s)
         sp.append(d)
-    return rows, [list(prompt_token_ids[p]) for p, _ in rows], sp
+    return rows, [list(prompt_token_ids[local[p]]) for p, _ in rows], sp
 
 
 def to_result(row: Tuple[int, int], out: dict) -> GenerationResult:
@@ -134,10 +139,10 @@ class SGLangEngine(RolloutEngine):
         kw = engine_kwargs(spec)
         return cls(kw.pop("model_path"), bucket_bytes=spec.sync_bucket_bytes, **kw)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
-        rows, input_ids, sp = sglang_rows(prompt_token_ids, params)
+        rows, input_ids, sp = sglang_rows(prompt_token_ids, params, prompt_indices)
         outs = self.engine.generate(input_ids=input_ids, sampling_params=sp, return_logprob=True)
         return [to_result(r, o) for r, o in zip(rows, outs)]
 

@@ -139,10 +139,10 @@ class SGLangServerEngine(RolloutEngine):
             raise RuntimeError(f"SGLang server {path} refused: {out.get('message')}")
         return out
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
-        rows, input_ids, sp = sglang_rows(prompt_token_ids, params)
+        rows, input_ids, sp = sglang_rows(prompt_token_ids, params, prompt_indices)
 
         def one(i: int) -> GenerationResult:
             out = self._post("/generate", {"input_ids": input_ids[i], "sampling_params": sp[i],

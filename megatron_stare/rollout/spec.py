@@ -9,16 +9,19 @@ arguments.
 Placement (``ENGINE_TRAITS``), per engine:
 
 - ``vllm``: every trainer rank hosts one engine rank (vLLM's ``external_launcher``); the
-  engine's TP groups tile the world, and every rank generates in lockstep (vLLM requires
-  every rank to make the same calls).
+  engine's TP groups tile the world and are its ``world / tp`` data-parallel replicas. The
+  ranks of one replica make the same calls; each replica generates its own slice of the
+  prompts (``rollout/data_parallel.py``).
 - ``sglang``: one ``sglang.Engine`` per group of ``rollout.tp`` consecutive ranks, held by
   the group's first rank (the leader), on the GPUs ``base_gpu_id .. base_gpu_id + tp - 1``
-  of that node, which it shares with the trainer ranks of its group.
+  of that node, which it shares with the trainer ranks of its group; each leader generates
+  its group's slice of the prompts.
 - ``hf``, ``vllm-server``, ``sglang-server``: a client on the driver rank (rank 0). A
   ``vllm-server`` without ``rollout.server_urls`` is spawned by the driver on its node's
   GPUs ``0 .. tp - 1`` (it shares them with the trainer, so it sleeps while the trainer
   trains); with ``rollout.server_urls`` the driver attaches to a server started elsewhere,
-  on GPUs of its own (``sglang-server`` always attaches).
+  on GPUs of its own (``sglang-server`` always attaches). Several ``vllm-server`` URLs sit
+  behind the dispatcher (``rollout/dispatch.py``) in the driver's one client.
 
 Log-probs: every engine returns the log-prob of the sampled token under the distribution it
 sampled from, ``softmax(logits / temperature)`` (see ``rollout/base.py``); the config
@@ -115,6 +118,14 @@ class EngineDevices:
     """Global trainer ranks whose GPUs this rank's engine instance uses (empty: none of them)."""
     gpu_ids: Tuple[int, ...]
     """Node-local GPU ids the engine instance runs on (empty on CPU and for attached servers)."""
+    replica: int = 0
+    """This rank's engine replica (data-parallel rollout, ``rollout/data_parallel.py``)."""
+    replicas: int = 1
+    """Engine replicas in the run, each generating its own slice of the prompts: a colocated
+    vLLM or SGLang has ``world / rollout.tp``; driver-placed engines one (several servers are
+    balanced by the dispatcher inside that one client)."""
+    leads_replica: bool = False
+    """This rank contributes its replica's results to the gather (one rank per replica)."""
 
     @property
     def base_gpu_id(self) -> int:
@@ -205,26 +216,32 @@ def _devices(engine: str, tp: int, urls: Tuple[str, ...], w: EngineWorld) -> Eng
     t = ENGINE_TRAITS[engine]
     if t.placement == "every_rank":
         group = tuple(range(w.rank - w.rank % tp, w.rank - w.rank % tp + tp))
+        # vLLM's external_launcher: DP rank = rank // tp, each DP replica its own slice.
         return EngineDevices(hosts_engine=True, generates=True, engine_ranks=group,
-                             gpu_ids=(w.local_rank,) if w.cuda else ())
+                             gpu_ids=(w.local_rank,) if w.cuda else (), replica=w.rank // tp,
+                             replicas=max(1, w.world_size // tp), leads_replica=w.rank % tp == 0)
     if t.placement == "group_leader":
         if w.local_world_size % tp:
             raise ConfigError(f"rollout.tp={tp} does not divide the {w.local_world_size} GPUs of a node; "
                               f"a colocated {engine} engine keeps its TP group on one node")
         first = w.rank - w.rank % tp
         local_first = w.local_rank - w.local_rank % tp
-        return EngineDevices(hosts_engine=w.rank == first, generates=w.rank == DRIVER,
+        # Each group's leader drives its engine on its own slice of the prompts.
+        return EngineDevices(hosts_engine=w.rank == first, generates=w.rank == first,
                              engine_ranks=tuple(range(first, first + tp)),
-                             gpu_ids=tuple(range(local_first, local_first + tp)) if w.cuda else ())
+                             gpu_ids=tuple(range(local_first, local_first + tp)) if w.cuda else (),
+                             replica=w.rank // tp, replicas=max(1, w.world_size // tp),
+                             leads_replica=w.rank == first)
     driver = w.rank == DRIVER
     if t.server and urls:  # attached: the server runs on GPUs of its own
-        return EngineDevices(hosts_engine=driver, generates=driver, engine_ranks=(), gpu_ids=())
+        return EngineDevices(hosts_engine=driver, generates=driver, engine_ranks=(), gpu_ids=(),
+                             leads_replica=driver)
     if t.server:  # spawned by the driver on its node's first tp GPUs
         if w.cuda and tp > w.local_world_size:
             raise ConfigError(f"rollout.tp={tp} is more than the {w.local_world_size} GPUs of the driver's "
                               f"node, where a spawned {engine} runs; lower rollout.tp or set rollout.server_urls")
         return EngineDevices(hosts_engine=driver, generates=driver, engine_ranks=tuple(range(tp)),
-                             gpu_ids=tuple(range(tp)) if w.cuda else ())
+                             gpu_ids=tuple(range(tp)) if w.cuda else (), leads_replica=driver)
     # hf: in the driver's process, on its GPU.
     return EngineDevices(hosts_engine=driver, generates=driver, engine_ranks=(DRIVER,),
-                         gpu_ids=(w.local_rank,) if w.cuda else ())
+                         gpu_ids=(w.local_rank,) if w.cuda else (), leads_replica=driver)

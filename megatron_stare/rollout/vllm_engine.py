@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from ..weight_sync.plan import TensorChecksum
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
 from .spec import EngineSpec
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "from_vllm_output", "llm_kwargs", "to_vllm_sampling_params"]
@@ -142,15 +143,18 @@ class VLLMEngine(RolloutEngine):
         kw = llm_kwargs(spec)
         return cls(kw.pop("model"), record_checksums=spec.record_checksums, **kw)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        """Under ``external_launcher`` data parallelism every replica calls this with its own
+        slice (possibly empty): vLLM's DP ranks agree on each step whether any has work left."""
         from vllm.inputs import TokensPrompt
 
         self.check_can_generate()
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        sps = [to_vllm_sampling_params(params, i) for i in range(len(prompts))]
+        sps = [to_vllm_sampling_params(params, i) for i in idx]
         outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
-        return [r for i, o in enumerate(outs) for r in from_vllm_output(i, o)]
+        return [r for i, o in zip(idx, outs) for r in from_vllm_output(i, o)]
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self.check_can_load_weights()

@@ -63,12 +63,13 @@ from torch import Tensor
 
 from ..weight_sync.plan import TensorChecksum
 from ..weight_sync.transport import ProcessGroupSender, SyncStats
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, request_json
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
-__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "route_address", "server_command"]
+__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "open_weight_group", "push_weights", "route_address",
+           "server_command"]
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,10 @@ def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) 
     return ServerCommand(tuple(argv), env)
 
 
-@register_engine("vllm-server")
 class VLLMServerEngine(RolloutEngine):
-    """A vLLM server process driven over HTTP, weights over a gloo/NCCL group.
+    """A vLLM server process driven over HTTP, weights over a gloo/NCCL group. (The registered
+    ``vllm-server`` engine is ``vllm_fleet.VLLMServerFleet``: it builds this class for one
+    server and puts several behind the dispatcher.)
 
     Args:
         command: the server to start (``server_command``); or
@@ -148,6 +150,8 @@ class VLLMServerEngine(RolloutEngine):
         keep_log: keep a spawned server's log file after ``shutdown()`` (its tail is in every
             start-up error anyway).
     """
+
+    name = "vllm-server"
 
     def __init__(self, *, command: Optional[ServerCommand] = None, base_url: Optional[str] = None,
                  tensor_parallel_size: int = 1, sleeps: bool = False, expect: Optional[dict] = None,
@@ -190,11 +194,12 @@ class VLLMServerEngine(RolloutEngine):
             raise
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec) -> "VLLMServerEngine":
+    def from_spec(cls, spec: EngineSpec, url: Optional[str] = None) -> "VLLMServerEngine":
+        """The spec's server: attached to ``url`` (default: the spec's only URL), else spawned."""
         common = dict(tensor_parallel_size=spec.tp, bucket_bytes=spec.sync_bucket_bytes,
                       record_checksums=spec.record_checksums)
         if spec.attaches:  # on GPUs of its own: NCCL on GPUs, nothing to release
-            return cls(base_url=spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
+            return cls(base_url=url or spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
                        expect={"tp": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
                        **common)
         host = "127.0.0.1"
@@ -266,55 +271,48 @@ class VLLMServerEngine(RolloutEngine):
         return out["results"] if out else []
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    def complete(self, prompt: Sequence[int], params: SamplingParams, index: int) -> List[GenerationResult]:
+        """One prompt's ``params.n`` results from ``/v1/completions``, seeded and labelled by its
+        batch ``index`` (the dispatcher over several servers sends requests through this)."""
+        body = {
+            "model": SERVED_NAME, "prompt": list(prompt), "n": params.n,
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos, "logprobs": 0, "return_token_ids": True,
+            "skip_special_tokens": False,
+            "seed": None if params.seed is None else sample_seed(params.seed, index),
+        }
+        choices = sorted(self._request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        results = []
+        for s, c in enumerate(choices):
+            reason = c["finish_reason"]
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM server request ended with finish_reason={reason!r}")
+            lps = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
+            results.append(GenerationResult(index, s, list(c["token_ids"]), lps, reason))
+        return results
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
-
-        def one(i: int) -> List[GenerationResult]:
-            body = {
-                "model": SERVED_NAME, "prompt": list(prompt_token_ids[i]), "n": params.n,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": False,
-                "seed": None if params.seed is None else sample_seed(params.seed, i),
-            }
-            choices = sorted(self._request("/v1/completions", body)["choices"],
-                             key=lambda c: c["index"])
-            results = []
-            for s, c in enumerate(choices):
-                reason = c["finish_reason"]
-                if reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM server request ended with finish_reason={reason!r}")
-                lps = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
-                results.append(GenerationResult(i, s, list(c["token_ids"]), lps, reason))
-            return results
-
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         n = len(prompt_token_ids)
         with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_concurrency))) as pool:
-            return [r for rs in pool.map(one, range(n)) for r in rs]
+            return [r for rs in pool.map(lambda i: self.complete(prompt_token_ids[i], params, idx[i]), range(n))
+                    for r in rs]
 
     # ---------------------------------------------------------------- weights
-    def _ensure_weight_group(self) -> None:
-        if self._group is not None:
-            return
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        port = _free_port(self.host)
-        spec = json.dumps({"host": self.host, "port": port, "world_size": 1 + self.world,
-                           "rank_offset": 1, "backend": self.weight_backend,
-                           "timeout_s": self.request_timeout_s})
+    def call_in_thread(self, method: str, *args: str) -> Tuple[threading.Thread, dict]:
+        """Start ``/collective_rpc`` ``method`` in a helper thread; ``(thread, box)`` where the box
+        gets ``result`` or ``error`` (the caller joins and re-raises)."""
         box: Dict[str, object] = {}
-        joiner = threading.Thread(target=self._call_into, args=(box, "stare_init_weight_group", spec))
-        joiner.start()
-        try:
-            self._group = stateless_init_torch_distributed_process_group(
-                self.host, port, 0, 1 + self.world, self.weight_backend,
-                timeout=timedelta(seconds=self.request_timeout_s))
-        finally:
-            joiner.join()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
+        t = threading.Thread(target=self._call_into, args=(box, method, *args))
+        t.start()
+        return t, box
+
+    def _ensure_weight_group(self) -> None:
+        if self._group is None:
+            self._group = open_weight_group([self], self.host, self.weight_backend, self.request_timeout_s)
 
     def _call_into(self, box: dict, method: str, *args: str) -> None:
         try:
@@ -332,26 +330,7 @@ class VLLMServerEngine(RolloutEngine):
     def _push(self, send) -> None:
         self.check_can_load_weights()
         self._ensure_weight_group()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.weight_backend == "nccl" else torch.device("cpu"))
-        box: Dict[str, object] = {}
-        opts = json.dumps({"record_checksums": self.record_checksums})
-        receiver = threading.Thread(target=self._call_into, args=(box, "stare_receive_weights", opts))
-        receiver.start()
-        try:
-            self.last_sync = send(ProcessGroupSender(self._group, 0, device))
-        except RuntimeError as e:  # the group's collective broke: most likely the server is gone
-            receiver.join()
-            raise (box["error"] if isinstance(box.get("error"), EngineFailure)
-                   else self.failure("the weight push", e)) from e
-        finally:
-            receiver.join()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        self._request("/reset_prefix_cache")
-        log.info("vllm server: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
-                 self.last_sync.num_tensors, self.last_sync.bytes / 2 ** 20,
-                 self.last_sync.num_buckets, self.last_sync.seconds)
+        self.last_sync = push_weights([self], self._group, self.weight_backend, send, self.record_checksums)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         res = self._rpc("stare_checksum", json.dumps(list(names)))[0]
@@ -413,3 +392,57 @@ class VLLMServerEngine(RolloutEngine):
             except Exception as e:  # noqa: BLE001 - the server is going away regardless
                 log.debug("weight group teardown: %s", e)
             self._group = None
+
+
+def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
+    """One weight-broadcast group: this process (rank 0) and every worker of every server in
+    ``servers`` (server ``k``'s workers are ranks ``1 + sum of the earlier servers' sizes`` on),
+    so ONE broadcast of each bucket reaches all of them. Set up over ``/collective_rpc``."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    port = _free_port(host)
+    world = 1 + sum(s.world for s in servers)
+    calls, offset = [], 1
+    for s in servers:
+        spec = json.dumps({"host": host, "port": port, "world_size": world, "rank_offset": offset,
+                           "backend": backend, "timeout_s": timeout_s})
+        calls.append(s.call_in_thread("stare_init_weight_group", spec))
+        offset += s.world
+    try:
+        group = stateless_init_torch_distributed_process_group(host, port, 0, world, backend,
+                                                               timeout=timedelta(seconds=timeout_s))
+    finally:
+        for t, _ in calls:
+            t.join()
+    for _, box in calls:
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+    return group
+
+
+def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send,
+                 record_checksums: bool) -> SyncStats:
+    """Every server reloads from the stream ``send(sender)`` broadcasts over ``group`` (made by
+    ``open_weight_group`` for the same ``servers``), then resets its prefix cache."""
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    opts = json.dumps({"record_checksums": record_checksums})
+    calls = [(s, *s.call_in_thread("stare_receive_weights", opts)) for s in servers]
+    try:
+        stats = send(ProcessGroupSender(group, 0, device))
+    except RuntimeError as e:  # the group's collective broke: most likely a server is gone
+        for _, t, _ in calls:
+            t.join()
+        failed = next((box["error"] for _, _, box in calls if isinstance(box.get("error"), EngineFailure)), None)
+        raise (failed or servers[0].failure("the weight push", e)) from e
+    finally:
+        for _, t, _ in calls:
+            t.join()
+    for _, _, box in calls:
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+    for s in servers:
+        s._request("/reset_prefix_cache")  # noqa: SLF001 - same module
+    log.info("vllm server%s: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
+             "s" if len(servers) > 1 else "", stats.num_tensors, stats.bytes / 2 ** 20, stats.num_buckets,
+             stats.seconds)
+    return stats

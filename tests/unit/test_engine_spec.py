@@ -28,23 +28,26 @@ def test_spec_carries_the_rollout_settings():
     assert s.eval_sampling.top_p == 0.7 and s.server_urls == () and s.joins_process_group
 
 
-@pytest.mark.parametrize("engine,rank,hosts,generates,ranks,gpus", [
-    # vLLM: every rank an engine rank (external_launcher), all generate in lockstep.
-    ("vllm", 5, True, True, (4, 5), (5,)),
-    # SGLang: one Engine per TP group on its leader, over the group's GPUs; the driver generates.
-    ("sglang", 2, True, False, (2, 3), (2, 3)),
-    ("sglang", 3, False, False, (2, 3), (2, 3)),
-    ("sglang", 0, True, True, (0, 1), (0, 1)),
+@pytest.mark.parametrize("engine,rank,hosts,generates,ranks,gpus,replica,leads", [
+    # vLLM: every rank an engine rank (external_launcher); TP groups are the DP replicas, each
+    # generating its own slice; the group's first rank contributes it to the gather.
+    ("vllm", 5, True, True, (4, 5), (5,), 2, False),
+    ("vllm", 4, True, True, (4, 5), (4,), 2, True),
+    # SGLang: one Engine per TP group on its leader, over the group's GPUs; each leader generates.
+    ("sglang", 2, True, True, (2, 3), (2, 3), 1, True),
+    ("sglang", 3, False, False, (2, 3), (2, 3), 1, False),
+    ("sglang", 0, True, True, (0, 1), (0, 1), 0, True),
     # A spawned vLLM server: on the driver node's first tp GPUs, which it shares with the trainer.
-    ("vllm-server", 0, True, True, (0, 1), (0, 1)),
-    ("vllm-server", 1, False, False, (0, 1), (0, 1)),
+    ("vllm-server", 0, True, True, (0, 1), (0, 1), 0, True),
+    ("vllm-server", 1, False, False, (0, 1), (0, 1), 0, False),
     # hf: in the driver's process, on its GPU.
-    ("hf", 0, True, True, (0,), (0,)),
-    ("hf", 3, False, False, (0,), (3,)),
+    ("hf", 0, True, True, (0,), (0,), 0, True),
+    ("hf", 3, False, False, (0,), (3,), 0, False),
 ])
-def test_placement(engine, rank, hosts, generates, ranks, gpus):
+def test_placement(engine, rank, hosts, generates, ranks, gpus, replica, leads):
     d = _spec([f"rollout.engine={engine}", f"rollout.tp={1 if engine == 'hf' else 2}"], rank=rank).devices
     assert (d.hosts_engine, d.generates, d.engine_ranks) == (hosts, generates, ranks)
+    assert (d.replica, d.leads_replica, d.replicas) == (replica, leads, 4 if engine in ("vllm", "sglang") else 1)
     if hosts:
         assert d.gpu_ids == gpus and d.shares_trainer_gpus
 
@@ -68,8 +71,10 @@ def test_sglang_group_must_fit_a_node():
      "rollout.server_urls is set, but rollout.engine=vllm runs inside the trainer ranks"),
     (["rollout.engine=hf", "rollout.server_urls=[http://h:1]"], True, "rollout.engine=hf runs in the driver"),
     (["rollout.engine=sglang-server"], True, "rollout.engine=sglang-server attaches to a running server"),
-    (["rollout.engine=vllm-server", "rollout.server_urls=[http://a:1,http://b:2]"], True,
-     "rollout.server_urls has 2 servers; this version drives one"),
+    (["rollout.engine=sglang-server", "rollout.server_urls=[http://a:1,http://b:2]"], True,
+     "rollout.server_urls has 2 servers; rollout.engine=sglang-server drives one"),
+    (["rollout.engine=vllm-server", "rollout.server_urls=[http://a:1,http://a:1]"], True,
+     "lists a server twice"),
     (["rollout.engine=vllm-server", "rollout.server_urls=[rollout-node:8000]"], True,
      "'rollout-node:8000' is not of the form http://host:port"),
     (["rollout.top_p=0.9"], False, "rollout.top_p=0.9: engines return the log-probs of the top-p-filtered"),

@@ -86,6 +86,13 @@ def test_memory_components_32b_by_hand():
     engine = plan.engine_kv_gib + plan.engine_weights_gib + plan.engine_workspace_gib
     assert engine == pytest.approx(0.55 * 80)  # vLLM reserves its whole budget
     assert plan.peak_gib == max(plan.phases.values()) and plan.fits
+    # Data-parallel rollout: 4 replicas of TP8, 64 prompts -> 16 each. Sync per rank: the TP
+    # all-gather brings 7 of 8 shards of the stage's split weights; every rank receives the model.
+    assert (L.replicas, L.prompts_per_replica) == (4, 16)
+    split = 32 * (c.attention + c.mlp) / 8 + 152576 * 5120 / 8
+    assert L.sync_gathered_gib == pytest.approx(7 * split * 2 / GiB)
+    assert L.sync_received_gib == pytest.approx(c.total * 2 / GiB)  # the HF model, unpadded
+    assert L.sync_kept_gib == plan.engine_weights_gib and L.sync_kept_gib < L.sync_received_gib / 7
 
 
 def test_recompute_optimizer_and_kl_change_the_right_parts():

@@ -270,7 +270,7 @@ class Trainer:
         if not self.cfg.rollout.verify_sync:
             self.engine.update_weights_from_buckets(buckets)
             return
-        from megatron_stare.weight_sync.plan import compare_checksums, tensor_checksum
+        from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 
         expected = {}
 

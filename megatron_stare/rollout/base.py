@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
+from ..weight_sync import TensorChecksum
 from .phases import EngineMemory
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class RolloutEngine(ABC):
 
     def update_weights_from_buckets(self, buckets: Iterable) -> None:
         """``update_weights`` from a stream of buckets, each an iterable of ``(name, tensor)``
-        (e.g. the Megatron export's ``Bucket`` lists). Byte transports override this to move
+        (e.g. the Megatron export's ``weight_sync.FlatBucket``s). Byte transports override this to move
         already-flat buckets without repacking them."""
         self.update_weights(item for bucket in buckets for item in bucket)
 

@@ -32,7 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum, tensor_checksum
+from ..weight_sync import TensorChecksum, tensor_checksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
 from .spec import EngineSpec

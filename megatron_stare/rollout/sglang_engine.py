@@ -40,7 +40,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import iter_buckets
+from ..weight_sync import iter_buckets
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
 from .phases import EngineMemory

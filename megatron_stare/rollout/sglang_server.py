@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..weight_sync.plan import dtype_name, iter_buckets
+from ..weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
+                           route_address, send_each)
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine
 from .sglang_engine import RAW_LOGPROB_ENV, sglang_rows, to_result
 from .http import EngineFailure, request_json
 from .spec import EngineSpec
-from .vllm_server import ServerCommand, _free_port, route_address
+from .vllm_server import ServerCommand
 
-__all__ = ["SGLangServerEngine", "init_named_weight_group", "server_command"]
+__all__ = ["SGLangServerEngine", "server_command"]
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +50,6 @@ def server_command(spec: EngineSpec, host: str = "0.0.0.0", port: int = 30000) -
             "--mem-fraction-static", str(spec.gpu_memory_utilization),
             "--random-seed", str(spec.seed), "--skip-tokenizer-init"]
     return ServerCommand(tuple(argv), {RAW_LOGPROB_ENV: "false"})
-
-
-def init_named_weight_group(host: str, port: int, rank: int, world_size: int, group_name: str,
-                            backend: str, timeout_s: float = 600.0,
-                            register_as: Optional[str] = None) -> dist.ProcessGroup:
-    """One member of a named weight-update group formed like SGLang's workers form theirs in
-    ``init_weights_update_group``: TCP rendezvous at ``host:port`` (rank 0 hosts the store), a
-    prefix store named after the group. The trainer is rank 0. The default group, if any, is
-    left untouched. ``register_as``: the local registry name (default ``group_name``; two ends in
-    one process, as in tests, need distinct ones)."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
-                                      PrefixStore(group_name, store),
-                                      group_name=register_as or group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 @register_engine("sglang-server")
@@ -152,37 +129,22 @@ class SGLangServerEngine(RolloutEngine):
         with ThreadPoolExecutor(max_workers=max(1, min(len(rows), self.max_concurrency))) as pool:
             return list(pool.map(one, range(len(rows))))
 
-    def _in_thread(self, path: str, body: dict) -> Tuple[threading.Thread, dict]:
-        box: dict = {}
-
-        def call():
-            try:
-                box["result"] = self._post(path, body)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-                box["error"] = e
-
-        t = threading.Thread(target=call)
-        t.start()
-        return t, box
-
     def _ensure_group(self) -> dist.ProcessGroup:
         if self._group is None:
-            port = _free_port(self.group_host)
-            t, box = self._in_thread("/init_weights_update_group", {
-                "master_address": self.group_host, "master_port": port, "rank_offset": 1,
-                "world_size": 1 + self.world, "group_name": self.group_name,
-                "backend": self.weight_backend})
-            try:
-                self._group = init_named_weight_group(self.group_host, port, 0, 1 + self.world,
-                                                      self.group_name, self.weight_backend,
-                                                      self.request_timeout_s)
-            finally:
-                t.join()
-            if "error" in box:
-                raise box["error"]
+            def join(port: int) -> None:
+                self._post("/init_weights_update_group", {
+                    "master_address": self.group_host, "master_port": port, "rank_offset": 1,
+                    "world_size": 1 + self.world, "group_name": self.group_name,
+                    "backend": self.weight_backend})
+
+            self._group = form_group([join], lambda port: init_named_weight_group(
+                self.group_host, port, 0, 1 + self.world, self.group_name, self.weight_backend,
+                self.request_timeout_s), self.group_host)
         return self._group
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
+        """SGLang's own wire format (its server decides it): per bucket, the names/dtypes/shapes
+        over HTTP, then one broadcast per tensor in order (``weight_sync.iter_buckets`` groups)."""
         self.check_can_load_weights()
         group = self._ensure_group()
         device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" \
@@ -190,18 +152,17 @@ class SGLangServerEngine(RolloutEngine):
         self._post("/begin_weight_update")
         try:
             for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                t, box = self._in_thread("/update_weights_from_distributed", {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(x.dtype) for _, x in bucket],
-                    "shapes": [list(x.shape) for _, x in bucket],
-                    "group_name": self.group_name, "flush_cache": False})
+                calls = PeerCalls([lambda b=bucket: self._post("/update_weights_from_distributed", {
+                    "names": [n for n, _ in b],
+                    "dtypes": [dtype_name(x.dtype) for _, x in b],
+                    "shapes": [list(x.shape) for _, x in b],
+                    "group_name": self.group_name, "flush_cache": False})])
                 try:
-                    for _, x in bucket:
-                        group.broadcast(x.detach().contiguous().to(device), 0).wait()
+                    send_each(group_link(group, 0), (x for _, x in bucket), device)
                 finally:
-                    t.join()
-                if "error" in box:
-                    raise box["error"]
+                    errors = calls.join()
+                if errors:
+                    raise errors[0]
         finally:
             self._post("/end_weight_update")
         self._post("/flush_cache")

@@ -9,7 +9,7 @@ fleet that is one engine to the trainer:
   server) frees up, seeded by its batch index (so the answer does not depend on the server);
   results come back in prompt order;
 - weights: ONE process group holds the trainer (rank 0) and every worker of every server
-  (``vllm_server.open_weight_group``), so each bucket is broadcast once and reaches all
+  (``VLLMServerEngine.open_weight_group``, on ``weight_sync.form_group``), so each bucket is broadcast once and reaches all
   servers; every server then resets its prefix cache;
 - checksums: a tensor's checksum is reported only where every server holds the same bytes
   (otherwise None, which the trainer's verification reports as a mismatch);
@@ -23,12 +23,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
-from ..weight_sync.transport import SyncStats
+from ..weight_sync import SyncStats, TensorChecksum
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine
 from .dispatch import Dispatcher, DispatchStats
 from .spec import EngineSpec
-from .vllm_server import VLLMServerEngine, open_weight_group, push_weights
+from .vllm_server import VLLMServerEngine
 
 __all__ = ["VLLMServerFleet"]
 
@@ -99,8 +98,8 @@ class VLLMServerFleet(RolloutEngine):
     def _push(self, send) -> None:
         self.check_can_load_weights()
         if self._group is None:
-            self._group = open_weight_group(self.servers, self.host, self.weight_backend, self.request_timeout_s)
-        self.last_sync = push_weights(self.servers, self._group, self.weight_backend, send, self.record_checksums)
+            self._group = VLLMServerEngine.open_weight_group(self.servers, self.host, self.weight_backend, self.request_timeout_s)
+        self.last_sync = VLLMServerEngine.push_weights(self.servers, self._group, self.weight_backend, send)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         per = [s.checksum(names) for s in self.servers]

@@ -44,14 +44,11 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -61,39 +58,18 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
-from ..weight_sync.transport import ProcessGroupSender, SyncStats
+from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, request_json
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
-__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "open_weight_group", "push_weights", "route_address",
-           "server_command"]
+__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
 
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def route_address(url: str) -> str:
-    """This machine's address on the route to ``url``'s host: where a server reaches the
-    weight group's store, which the trainer (group rank 0) hosts. Sends nothing (a UDP
-    socket's connect only picks the route)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, parts.port or 80))
-        return s.getsockname()[0]
 
 
 @dataclass(frozen=True)
@@ -204,7 +180,7 @@ class VLLMServerEngine(RolloutEngine):
                        **common)
         host = "127.0.0.1"
         # Spawned beside the trainer: it shares the driver's GPU, where NCCL refuses a second rank.
-        return cls(command=server_command(spec, host, _free_port(host)), weight_backend="gloo",
+        return cls(command=server_command(spec, host, free_port(host)), weight_backend="gloo",
                    sleeps=True, **common)
 
     def _check_attached(self, expect: dict) -> None:
@@ -302,23 +278,53 @@ class VLLMServerEngine(RolloutEngine):
                     for r in rs]
 
     # ---------------------------------------------------------------- weights
-    def call_in_thread(self, method: str, *args: str) -> Tuple[threading.Thread, dict]:
-        """Start ``/collective_rpc`` ``method`` in a helper thread; ``(thread, box)`` where the box
-        gets ``result`` or ``error`` (the caller joins and re-raises)."""
-        box: Dict[str, object] = {}
-        t = threading.Thread(target=self._call_into, args=(box, method, *args))
-        t.start()
-        return t, box
+    def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int) -> None:
+        """Have this server's workers join the weight group as ranks ``rank_offset..`` (blocks
+        until they joined; ``form_group`` runs it in a thread while the trainer joins)."""
+        self._rpc("stare_init_weight_group", json.dumps({
+            "host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset,
+            "backend": self.weight_backend, "timeout_s": self.request_timeout_s}))
+
+    def receive_weights(self) -> None:
+        """Have this server's workers reload from the group's bucket stream (blocks until done)."""
+        self._rpc("stare_receive_weights", json.dumps({"record_checksums": self.record_checksums}))
+
+    @staticmethod
+    def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
+        """One weight-broadcast group: this process (rank 0) and every worker of every server in
+        ``servers`` (server ``k``'s workers are ranks ``1 + sum of the earlier servers' sizes`` on),
+        so ONE broadcast of each bucket reaches all of them. Set up over ``/collective_rpc``."""
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        world = 1 + sum(s.world for s in servers)
+        offsets = [1 + sum(s.world for s in servers[:k]) for k in range(len(servers))]
+        joins = [lambda port, s=s, o=o: s.join_weight_group(host, port, world, o) for s, o in zip(servers, offsets)]
+        return form_group(joins, lambda port: stateless_init_torch_distributed_process_group(
+            host, port, 0, world, backend, timeout=timedelta(seconds=timeout_s)), host)
+
+    @staticmethod
+    def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send) -> SyncStats:
+        """Every server reloads from the stream ``send(sender)`` broadcasts over ``group`` (made by
+        ``open_weight_group`` for the same ``servers``), then resets its prefix cache."""
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+        def broken(e: RuntimeError, errors) -> BaseException:  # most likely a server is gone
+            return next((x for x in errors if isinstance(x, EngineFailure)), None) or servers[0].failure("the weight push", e)
+
+        stats = push_to_group(group, device, [s.receive_weights for s in servers], send, broken)
+        for s in servers:
+            s.reset_prefix_cache()
+        log.info("vllm server%s: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
+                 "s" if len(servers) > 1 else "", stats.num_tensors, stats.bytes / 2 ** 20, stats.num_buckets,
+                 stats.seconds)
+        return stats
+
+    def reset_prefix_cache(self) -> None:
+        self._request("/reset_prefix_cache")
 
     def _ensure_weight_group(self) -> None:
         if self._group is None:
-            self._group = open_weight_group([self], self.host, self.weight_backend, self.request_timeout_s)
-
-    def _call_into(self, box: dict, method: str, *args: str) -> None:
-        try:
-            box["result"] = self._rpc(method, *args)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
-            box["error"] = e
+            self._group = self.open_weight_group([self], self.host, self.weight_backend, self.request_timeout_s)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self._push(lambda sender: sender.send(named_tensors, self.bucket_bytes))
@@ -330,7 +336,7 @@ class VLLMServerEngine(RolloutEngine):
     def _push(self, send) -> None:
         self.check_can_load_weights()
         self._ensure_weight_group()
-        self.last_sync = push_weights([self], self._group, self.weight_backend, send, self.record_checksums)
+        self.last_sync = self.push_weights([self], self._group, self.weight_backend, send)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         res = self._rpc("stare_checksum", json.dumps(list(names)))[0]
@@ -393,56 +399,3 @@ class VLLMServerEngine(RolloutEngine):
                 log.debug("weight group teardown: %s", e)
             self._group = None
 
-
-def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
-    """One weight-broadcast group: this process (rank 0) and every worker of every server in
-    ``servers`` (server ``k``'s workers are ranks ``1 + sum of the earlier servers' sizes`` on),
-    so ONE broadcast of each bucket reaches all of them. Set up over ``/collective_rpc``."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-    port = _free_port(host)
-    world = 1 + sum(s.world for s in servers)
-    calls, offset = [], 1
-    for s in servers:
-        spec = json.dumps({"host": host, "port": port, "world_size": world, "rank_offset": offset,
-                           "backend": backend, "timeout_s": timeout_s})
-        calls.append(s.call_in_thread("stare_init_weight_group", spec))
-        offset += s.world
-    try:
-        group = stateless_init_torch_distributed_process_group(host, port, 0, world, backend,
-                                                               timeout=timedelta(seconds=timeout_s))
-    finally:
-        for t, _ in calls:
-            t.join()
-    for _, box in calls:
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-    return group
-
-
-def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send,
-                 record_checksums: bool) -> SyncStats:
-    """Every server reloads from the stream ``send(sender)`` broadcasts over ``group`` (made by
-    ``open_weight_group`` for the same ``servers``), then resets its prefix cache."""
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    opts = json.dumps({"record_checksums": record_checksums})
-    calls = [(s, *s.call_in_thread("stare_receive_weights", opts)) for s in servers]
-    try:
-        stats = send(ProcessGroupSender(group, 0, device))
-    except RuntimeError as e:  # the group's collective broke: most likely a server is gone
-        for _, t, _ in calls:
-            t.join()
-        failed = next((box["error"] for _, _, box in calls if isinstance(box.get("error"), EngineFailure)), None)
-        raise (failed or servers[0].failure("the weight push", e)) from e
-    finally:
-        for _, t, _ in calls:
-            t.join()
-    for _, _, box in calls:
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-    for s in servers:
-        s._request("/reset_prefix_cache")  # noqa: SLF001 - same module
-    log.info("vllm server%s: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
-             "s" if len(servers) > 1 else "", stats.num_tensors, stats.bytes / 2 ** 20, stats.num_buckets,
-             stats.seconds)
-    return stats

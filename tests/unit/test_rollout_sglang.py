@@ -27,8 +27,8 @@ from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, en
 from megatron_stare.rollout import sglang_engine
 from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.rollout.sglang_engine import SGLangEngine, engine_kwargs
-from megatron_stare.rollout.sglang_server import SGLangServerEngine, init_named_weight_group, server_command
-from megatron_stare.weight_sync.plan import dtype_from_name
+from megatron_stare.rollout.sglang_server import SGLangServerEngine, server_command
+from megatron_stare.weight_sync import dtype_from_name, init_named_weight_group
 
 from ..fixtures.sglang_api import extract, recorded, signature
 

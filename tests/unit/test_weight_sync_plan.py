@@ -8,7 +8,7 @@ import torch
 from megatron_stare.weight_sync import (FlatBucket, InProcessTransport, PeakMemory, ProcessGroupReceiver,
                                         ProcessGroupSender, compare_checksums, iter_buckets,
                                         iter_flat_buckets, tensor_checksum)
-from megatron_stare.weight_sync.plan import ALIGN_BYTES
+from megatron_stare.weight_sync import ALIGN_BYTES, decode_header
 
 
 def _tensors():
@@ -64,7 +64,7 @@ def test_flat_bucket_round_trip_is_bit_exact_and_aligned():
         assert torch.equal(out[name], t)
         if t.numel():
             assert out[name].untyped_storage().data_ptr() == flat.buffer.untyped_storage().data_ptr()
-    metas = FlatBucket.metas_from_bytes(flat.metadata_bytes())
+    metas = decode_header(flat.header(), flat.nbytes)
     assert metas == flat.metas
 
 
@@ -118,7 +118,7 @@ def test_peak_memory_measures_torch_allocations():
 def test_process_group_wire_format_round_trip_and_buffer_reuse():
     """Broadcasts recorded on the sending side and replayed into a receiver (the multi-process
     run is tests/distributed/test_weight_sync_pg.py)."""
-    import megatron_stare.weight_sync.transport as tr
+    import megatron_stare.weight_sync.wire as tr
 
     sent = []
     orig = tr.broadcast
@@ -144,7 +144,7 @@ def test_process_group_wire_format_round_trip_and_buffer_reuse():
 
 def _record_and_replay(send):
     """Run ``send(sender)`` with broadcasts recorded, then replay them into a receiver."""
-    import megatron_stare.weight_sync.transport as tr
+    import megatron_stare.weight_sync.wire as tr
 
     sent = []
     orig = tr.broadcast
@@ -163,14 +163,8 @@ def _record_and_replay(send):
 
 
 def test_ready_flat_buckets_are_sent_without_repacking():
-    class ExportBucket(list):  # the Megatron export's bucket shape: .flat + .meta
-        def __init__(self, flat, meta):
-            super().__init__()
-            self.flat, self.meta = flat, meta
-
     named = _tensors()
-    packed = FlatBucket.pack(named)
-    b = ExportBucket(packed.buffer, [(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in packed.metas])
+    b = FlatBucket.pack(named)  # the Megatron export's bucket type
     got, stats = _record_and_replay(lambda s: s.send_buckets([b, [("z", torch.ones(3))]]))
     assert stats.num_buckets == 2
     for n, t in named + [("z", torch.ones(3))]:

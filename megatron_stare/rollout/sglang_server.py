@@ -12,7 +12,8 @@ not match the run.
 Weights: ``/init_weights_update_group`` (the trainer is rank 0 of a group named
 ``group_name``), then per bucket ``/update_weights_from_distributed`` with the bucket's
 names/dtypes/shapes while the trainer broadcasts each tensor of the bucket in order, inside
-``/begin_weight_update`` ... ``/end_weight_update``, then ``/flush_cache``.
+``/begin_weight_update`` ... ``/end_weight_update``, then ``/flush_cache`` (SGLang's protocol, not
+ours: its server decides it; the group, the threads and the sends come from ``weight_sync``).
 
 Memory: the server is not on the trainer's GPUs, so the release phase has nothing to free
 (it says so once).

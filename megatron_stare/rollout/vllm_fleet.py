@@ -9,8 +9,8 @@ fleet that is one engine to the trainer:
   server) frees up, seeded by its batch index (so the answer does not depend on the server);
   results come back in prompt order;
 - weights: ONE process group holds the trainer (rank 0) and every worker of every server
-  (``VLLMServerEngine.open_weight_group``, on ``weight_sync.form_group``), so each bucket is broadcast once and reaches all
-  servers; every server then resets its prefix cache;
+  (``VLLMServerEngine.open_weight_group``, on ``weight_sync.form_group``), so each bucket is
+  broadcast once and reaches all servers; every server then resets its prefix cache;
 - checksums: a tensor's checksum is reported only where every server holds the same bytes
   (otherwise None, which the trainer's verification reports as a mismatch);
 - memory: attached servers run on GPUs of their own and release nothing.
@@ -98,7 +98,8 @@ class VLLMServerFleet(RolloutEngine):
     def _push(self, send) -> None:
         self.check_can_load_weights()
         if self._group is None:
-            self._group = VLLMServerEngine.open_weight_group(self.servers, self.host, self.weight_backend, self.request_timeout_s)
+            self._group = VLLMServerEngine.open_weight_group(self.servers, self.host, self.weight_backend,
+                                                             self.request_timeout_s)
         self.last_sync = VLLMServerEngine.push_weights(self.servers, self._group, self.weight_backend, send)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:

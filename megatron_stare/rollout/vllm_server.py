@@ -24,7 +24,8 @@ Weights: on the first update the trainer and every engine worker form a process 
 set up from the worker extension through ``/collective_rpc``. Each update then runs
 ``stare_receive_weights`` on the workers (an HTTP call that returns when the reload is done,
 issued from a helper thread) while this process broadcasts the HF stream in flat buckets of
-``bucket_bytes``; then the prefix cache is reset.
+``bucket_bytes``; then the prefix cache is reset. Format, wire protocol, group forming and the
+push all come from ``weight_sync`` (``form_group``, ``push_to_group``), shared with the fleet.
 
 A spawned server process (and the engine-core process it spawns) runs in its own session, so
 ``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
@@ -309,7 +310,8 @@ class VLLMServerEngine(RolloutEngine):
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
         def broken(e: RuntimeError, errors) -> BaseException:  # most likely a server is gone
-            return next((x for x in errors if isinstance(x, EngineFailure)), None) or servers[0].failure("the weight push", e)
+            failed = next((x for x in errors if isinstance(x, EngineFailure)), None)
+            return failed or servers[0].failure("the weight push", e)
 
         stats = push_to_group(group, device, [s.receive_weights for s in servers], send, broken)
         for s in servers:

@@ -7,10 +7,10 @@ over a process group, or a point-to-point send/recv):
 2. the JSON header (``bucket.encode_header``) as ``uint8``;
 3. the flat data buffer.
 
-``(0, 0)`` in step 1 ends the stream. (``send_each`` is the bare per-tensor form, for an
-engine whose receiving side speaks its own protocol: SGLang's servers.) The Megatron export (pipeline stages to the destination)
+``(0, 0)`` in step 1 ends the stream. The Megatron export (pipeline stages to the destination)
 and the process-group transport (trainer to engine workers) both speak it, so a bucket the
-export produced is sent to an engine as is, without repacking.
+export produced is sent to an engine as is, without repacking. (``send_each`` is the bare
+per-tensor form, for an engine whose receiving side speaks its own protocol: SGLang's servers.)
 
 Links: ``group_link(group, root)`` broadcasts from group rank ``root`` on the group object
 itself (so groups made outside ``torch.distributed``'s registry - vLLM's stateless groups,

@@ -64,7 +64,7 @@ def _engine(port: int, shapes: dict, repeats: int, out_q) -> None:
     """The engine process: receive every repeat into preallocated parameters, then the raw bytes."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megatron_stare.rollout.sglang_engine import init_named_weight_group
+    from megatron_stare.weight_sync import init_named_weight_group
     from megatron_stare.weight_sync import PeakMemory, ProcessGroupReceiver
 
     group = init_named_weight_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
@@ -88,7 +88,7 @@ def _engine(port: int, shapes: dict, repeats: int, out_q) -> None:
 
 
 def _trainer(rank, world, args, port, shapes, hf_dir):
-    from megatron_stare.rollout.sglang_engine import init_named_weight_group
+    from megatron_stare.weight_sync import init_named_weight_group
     from megatron_stare.weight_sync import PeakMemory, ProcessGroupSender, iter_buckets
 
     bucket = args.bucket_mb << 20

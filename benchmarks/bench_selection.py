@@ -1,53 +1,118 @@
-"""Exact radix top-k across ranks against all-gather + torch.topk, for world sizes 1-4 on gloo.
+"""Exact top-k across ranks (``topk_threshold``) against all-gather + torch.topk, on gloo.
 
-Each rank holds ``N_local`` fp32 values (surprisal-like: |normal| * 3, quantised to 1e-3 so there
-are many ties) and int64 token keys; ``k`` = 10% of the global count. Per row it prints the median
-over ``--repeats`` (after a warm-up, ranks barrier-synchronised) of:
+Each rank holds ``N_local`` fp32 values (surprisal-like: ``|normal| * 3`` quantised to 1e-3, so
+there are many ties) and int64 token keys; ``k`` = 10% of the global count. Variants, each in its
+own world of ranks (processes), timed in interleaved rounds:
 
-- ours: ``topk_threshold`` + ``TopKThreshold.select`` (exactly k selected, layout-independent);
-- gather: ``all_gather`` of values and keys, ``torch.topk`` on the concatenation, then the local
-  mask ``v >= kth`` (what an exact-threshold baseline costs; it does not resolve ties);
+- ``ours``: ``topk_threshold`` + ``TopKThreshold.select`` (exactly k selected, ties broken by
+  key, layout-independent); with ``--two``, also STARE C2's two thresholds in one
+  ``topk_thresholds`` call against two all-gather + topk;
+- ``gather``: ``all_gather`` of values and keys, ``torch.topk`` on the concatenation, then the
+  local mask ``v >= kth`` (what an exact-threshold baseline costs; it does not resolve ties).
 
-and the bytes each rank receives: ours counted on its collectives (``2**radix_bits`` int64 counts
-per radix pass plus O(world) all-gathers), gather ``N_global * 12``. On this CPU/gloo setup the
-ranks share 2 cores, so absolute times are dominated by collective latency and oversubscription;
-the message-size column is the figure that carries over to NCCL.
+A sample is the mean of enough back-to-back calls to last about 5 ms (barrier first; the slowest
+rank counts); the ratio is the median over rounds of ours / gather (<= 1.2 is the goal). Also
+printed: the bytes each rank receives through our collectives (counted on them) against
+``N_global * 12`` for the gather. The ranks share 2 cores, so the absolute times are dominated by
+collective latency and oversubscription; the message sizes carry over to NCCL. The ratios go to
+``benchmarks/results/selection.json``.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_selection.py [--repeats 5]``.
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_selection.py [--repeats 31] [--aa]
+[--sizes 1024 65536 1048576] [--worlds 2 3 4] [--sweep 11:4096 16:65536]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_stare.ops.selection import topk_threshold
-from megatron_stare.testing.distributed import run_on_ranks
+from bench_common import Variant, machine, paired_ratio, start
+
+RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
+SIZES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+# Short samples keep the two halves of a pair close in time (the load of other work changes fast).
+SAMPLE_S = 0.005
 
 
-def _median_time(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        s = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - s)
-    return statistics.median(times)
-
-
-def _bench(rank, world_size, n_local, repeats):
-    g = torch.Generator().manual_seed(rank)
+def _data(rank, world_size, n_local, which=0):
+    g = torch.Generator().manual_seed(rank + 1000 * which + 7 * n_local)
     values = ((torch.randn(n_local, generator=g).abs() * 3 * 1000).round() / 1000).float()
-    keys = torch.arange(n_local, dtype=torch.int64) * world_size + rank
-    group = dist.group.WORLD
-    k = (n_local * world_size) // 10
+    keys = (torch.arange(n_local, dtype=torch.int64) * world_size + rank) * 2 + which
+    return values, keys
 
-    # Count our collectives and the bytes each rank receives through them.
+
+def setup(rank, world_size, kind, radix_bits, gather_max, eager=None):
+    """A world of ``kind`` in {ours, gather}; answers ``(op, n_local, two)`` commands."""
+    from megatron_stare.ops.selection import topk_thresholds
+
+    group = dist.group.WORLD
+    cache = {}
+
+    def ours(sets, k):
+        kw = {}
+        if radix_bits:
+            kw = dict(radix_bits=radix_bits, gather_max=gather_max)
+        if eager is not None:
+            kw["eager"] = eager
+        thrs = topk_thresholds([(v, kk, k) for v, kk in sets], group, **kw)
+        return [t.select(v, kk) for t, (v, kk) in zip(thrs, sets)]
+
+    def gather(sets, k):
+        out = []
+        for values, keys in sets:
+            vs = [torch.empty_like(values) for _ in range(world_size)]
+            ks = [torch.empty_like(keys) for _ in range(world_size)]
+            dist.all_gather(vs, values, group=group)
+            dist.all_gather(ks, keys, group=group)
+            kth = torch.topk(torch.cat(vs), k).values[-1]
+            out.append(values >= kth)
+        return out
+
+    fn = ours if kind == "ours" else gather
+
+    def case(n_local, two):
+        if (n_local, two) not in cache:
+            sets = [_data(rank, world_size, n_local, w) for w in range(2 if two else 1)]
+            k = (n_local * world_size) // 10
+            call = lambda: fn(sets, k)  # noqa: E731
+            call()  # warm-up
+            dist.barrier()
+            s = time.perf_counter()
+            call()
+            t = torch.tensor([time.perf_counter() - s], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank must run the same count
+            inner = max(1, math.ceil(SAMPLE_S / float(t)))
+            cache[(n_local, two)] = (call, inner)
+        return cache[(n_local, two)]
+
+    def run(cmd):
+        op, n_local, two = cmd
+        call, inner = case(n_local, two)
+        if op == "time":
+            dist.barrier()
+            s = time.perf_counter()
+            for _ in range(inner):
+                call()
+            return (time.perf_counter() - s) / inner
+        if op == "selected":
+            n = torch.tensor([int(m.sum()) for m in call()])
+            dist.all_reduce(n)
+            return n.tolist()
+        if op == "bytes":
+            return _count_bytes(call)
+        raise ValueError(op)
+    return run
+
+
+def _count_bytes(call):
+    """``(collectives, bytes received by this rank)`` of one call."""
     stats = {"calls": 0, "bytes": 0}
     real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
 
@@ -61,48 +126,72 @@ def _bench(rank, world_size, n_local, repeats):
         stats["bytes"] += len(out) * t.numel() * t.element_size()
         return real_all_gather(out, t, *a, **kw)
 
-    def ours():
-        return topk_threshold(values, keys, k, group).select(values, keys)
-
-    def gather():
-        vs = [torch.empty_like(values) for _ in range(world_size)]
-        ks = [torch.empty_like(keys) for _ in range(world_size)]
-        dist.all_gather(vs, values, group=group)
-        dist.all_gather(ks, keys, group=group)
-        kth = torch.topk(torch.cat(vs), k).values[-1]
-        return values >= kth
-
     dist.all_reduce, dist.all_gather = counting_all_reduce, counting_all_gather
     try:
-        mask = ours()
+        call()
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
-    n_sel = mask.sum()
-    real_all_reduce(n_sel)
-    t_ours = _median_time(ours, repeats)
-    t_gather = _median_time(gather, repeats)
-    n_gather = gather().sum()
-    real_all_reduce(n_gather)
-    return t_ours, t_gather, stats["calls"], stats["bytes"], int(n_sel), int(n_gather), k
+    return stats["calls"], stats["bytes"]
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--aa", action="store_true", help="also time a second, identical world of "
+                    "ours: its ratio to ours shows the noise of the measurement")
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--two", action="store_true", help="also time two thresholds (STARE C2)")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="BITS:GATHER_MAX[:EAGER]",
+                    help="also time ours with these radix_bits:gather_max[:eager] settings")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    print("exact radix top-k (ours) vs all_gather + torch.topk (gather); gloo, ranks share 2 CPU "
-          f"cores; median of {args.repeats}; k = 10% of N_global; fp32 values with many ties")
-    for n_local in args.sizes:
-        for ws in (1, 2, 3, 4):
-            t_o, t_g, n_calls, ours_bytes, n_sel, n_gat, k = run_on_ranks(
-                _bench, ws, n_local, args.repeats, timeout=600)[0]
-            gather_bytes = n_local * ws * 12
-            print(f"N_local={n_local:>8} world={ws}  ours {t_o * 1e3:8.1f} ms  gather "
-                  f"{t_g * 1e3:8.1f} ms  (gather/ours x{t_g / t_o:5.2f})  bytes in/rank ours "
-                  f"{ours_bytes / 1024:6.1f} KiB ({n_calls} collectives) vs gather "
-                  f"{gather_bytes / 2 ** 20:7.2f} MiB  selected ours {n_sel} (k={k}) vs gather "
-                  f"{n_gat}", flush=True)
+    print("exact top-k (ours) vs all_gather + torch.topk (gather); gloo, ranks share 2 CPU "
+          f"cores; {args.repeats} interleaved rounds, each variant its own world of processes; "
+          "ratio = median of ours/gather; k = 10% of N_global; fp32 values with many ties")
+    sweeps = [tuple(int(x) for x in s.split(":")) for s in args.sweep]
+    variants = [Variant("gather", setup, ("gather", 0, 0)), Variant("ours", setup, ("ours", 0, 0))]
+    variants += [Variant(f"ours[{':'.join(map(str, sw))}]", setup, ("ours", *sw)) for sw in sweeps]
+    if args.aa:
+        variants.append(Variant("ours-A/A", setup, ("ours", 0, 0)))
+    names = [v.name for v in variants]
+    record = {"machine": machine(), "repeats": args.repeats, "goal": 1.2, "rows": []}
+    for ws in args.worlds:
+        worlds = start(variants, world_size=ws)
+        try:
+            for two in (False, True) if args.two else (False,):
+                for n_local in args.sizes:
+                    cmd = ("time", n_local, two)
+                    times = {n: [] for n in names}
+                    for _ in range(args.repeats):
+                        for n in names:
+                            times[n].append(max(worlds.ask(n, cmd)))
+                    sel = {n: worlds.ask(n, ("selected", n_local, two))[0] for n in names}
+                    n_calls, n_bytes = worlds.ask("ours", ("bytes", n_local, two))[0]
+                    row = {"world": ws, "n_local": n_local, "thresholds": 2 if two else 1,
+                           "gather_s": statistics.median(times["gather"]),
+                           "ours_s": statistics.median(times["ours"]),
+                           "ratio": paired_ratio(times["ours"], times["gather"]),
+                           "ours_collectives": n_calls, "ours_bytes_in": n_bytes,
+                           "gather_bytes_in": n_local * ws * 12 * (2 if two else 1),
+                           "selected_ours": sel["ours"], "selected_gather": sel["gather"],
+                           "k": (n_local * ws) // 10}
+                    row["met"] = row["ratio"] <= record["goal"]
+                    for n in names[2:]:
+                        row[f"ratio {n}"] = paired_ratio(times[n], times["gather"])
+                    record["rows"].append(row)
+                    extra = "  ".join(f"{n} x{row[f'ratio {n}']:.2f}" for n in names[2:])
+                    print(f"world={ws} N_local={n_local:>8} thr={row['thresholds']}  ours "
+                          f"{row['ours_s'] * 1e3:8.2f} ms  gather {row['gather_s'] * 1e3:8.2f} ms"
+                          f"  ours/gather x{row['ratio']:5.2f} [{'met' if row['met'] else 'MISSED'}]"
+                          f"  in/rank ours {n_bytes / 1024:7.1f} KiB ({n_calls} coll.) vs "
+                          f"{row['gather_bytes_in'] / 2 ** 20:7.2f} MiB  selected "
+                          f"{sel['ours']} (k={row['k']}) vs {sel['gather']}  {extra}", flush=True)
+        finally:
+            worlds.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -157,8 +157,9 @@ def setup_logits(rank, world_size, kind, T, V, dtype, entropy_grad, slime_path, 
     return _runner(call, outputs)
 
 
-def setup_linear(rank, world_size, kind, T, H, V):
-    """The no-logits case: ``kind`` in {fused, matmul+ours}; entropy as a metric."""
+def setup_linear(rank, world_size, kind, T, H, V, tiles=None):
+    """The no-logits case: ``kind`` in {fused, matmul+ours}; entropy as a metric. ``tiles``:
+    ``(chunk_size, vocab_chunk_size)`` of the fused path (default: its defaults)."""
     from megatron_stare.ops.fused_linear import fused_linear_logprobs_entropy
 
     torch.manual_seed(0)
@@ -169,7 +170,8 @@ def setup_linear(rank, world_size, kind, T, H, V):
 
     def fn(h, w):
         if kind == "fused":
-            out = fused_linear_logprobs_entropy(h, w, t)
+            kw = {} if tiles is None else dict(chunk_size=tiles[0], vocab_chunk_size=tiles[1])
+            out = fused_linear_logprobs_entropy(h, w, t, **kw)
             return out.logprobs, out.entropy
         return ours_logits(h @ w.T, t, False)
 
@@ -218,7 +220,9 @@ def write(path: Path, record: dict, partial: bool) -> None:
         old = json.loads(path.read_text())
         mine = {r["name"] for r in record["rows"]}
         record["rows"] = [r for r in old["rows"] if r["name"] not in mine] + record["rows"]
-        record.setdefault("tile_sweep", old.get("tile_sweep"))
+        for key in ("tile_sweep", "linear_sweep"):
+            if key not in record and key in old:
+                record[key] = old[key]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
@@ -233,6 +237,8 @@ def main():
                     "one of these words")
     ap.add_argument("--tile-sweep", type=int, nargs="*", default=[],
                     help="also time ours at these TILE_ELEMS values against the default")
+    ap.add_argument("--linear-sweep", nargs="*", default=[], metavar="CHUNK:VCHUNK",
+                    help="also time the no-logits path at these tile shapes")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines are noise
@@ -292,6 +298,25 @@ def main():
         record.setdefault("tile_sweep", {})[dtype] = sweep
         print(f"tile sweep {dtype} H-grad: " + "  ".join(
             f"{n} {s['median_s']:.3f}s (x{s['ratio_to_default']:.2f})" for n, s in sweep.items()))
+    if args.linear_sweep:
+        case = (T, 1024, V)
+        ref = Variant("matmul+ours", setup_linear, ("matmul+ours", *case))
+        others = [Variant(f"fused {sw}", setup_linear,
+                          ("fused", *case, tuple(int(x) for x in sw.split(":"))))
+                  for sw in args.linear_sweep]
+        worlds = start([ref, *others])
+        try:
+            names = [v.name for v in (ref, *others)]
+            times = interleaved_times(worlds, names, args.repeats)
+            peaks = {n: worlds.ask(n, "peak")[0] / 2 ** 20 for n in names}
+        finally:
+            worlds.close()
+        sweep = {n: {"median_s": statistics.median(times[n]), "peak_mib": peaks[n],
+                     "ratio_to_ref": paired_ratio(times[n], times[names[0]])} for n in names}
+        record["linear_sweep"] = sweep
+        for n, r in sweep.items():
+            print(f"linear sweep {n:<20} {r['median_s']:.3f}s (x{r['ratio_to_ref']:.2f})  peak "
+                  f"{r['peak_mib']:.1f} MiB")
     if not args.quick:
         write(Path(args.out), record, partial=args.only is not None)
 

@@ -37,9 +37,10 @@ from torch import Tensor
 
 __all__ = ["LogProbOutput", "vocab_parallel_logprobs_entropy"]
 
-# Elements per row tile: the tile buffers (at most three of [rows, V/tp] in the compute dtype) then
-# stay in a 1-2 MiB L2 cache, so every pass after the first read of a tile hits the cache. Chosen by
-# measurement (docs/performance.md): 2**17 fp32 (512 KiB) was fastest at V/tp = 32768 on 1 thread.
+# Elements per row tile on CPU: the tile buffers (at most three of [rows, V/tp] in the compute
+# dtype) then stay in the 1 MiB L2 / the L3 cache, so every pass after the first read of a tile hits
+# the cache. Chosen by measurement (docs/performance.md, benchmarks/bench_vocab_parallel.py
+# --tile-sweep). On accelerators a tile is a whole chunk: there, fewer and larger kernels win.
 TILE_ELEMS = 1 << 18
 
 
@@ -122,8 +123,10 @@ def all_reduce(t: Tensor, op, group: Optional[dist.ProcessGroup]) -> Tensor:
     return t
 
 
-def tile_rows(n_cols: int, chunk: int) -> int:
-    """Rows per tile: about ``TILE_ELEMS`` elements, at least 1, at most ``chunk``."""
+def tile_rows(n_cols: int, chunk: int, device: torch.device) -> int:
+    """Rows per tile: on CPU about ``TILE_ELEMS`` elements, at least 1; at most ``chunk``."""
+    if device.type != "cpu":
+        return chunk
     return max(1, min(chunk, TILE_ELEMS // max(n_cols, 1)))
 
 
@@ -270,7 +273,7 @@ def _forward(logits, targets, shard: VocabShard, temperature, need_entropy, need
     p2l = new() if need_sens else None
     # fp32/fp64 logits at temperature 1 are read in place: no copy of the tile is made.
     direct = logits.dtype == cd and temperature == 1.0
-    rows = tile_rows(n, chunk)
+    rows = tile_rows(n, chunk, dev)
     buf = lambda need=True: torch.empty((rows, n), dtype=cd, device=dev) if need else None  # noqa
     zbuf, work, work2 = buf(), buf(need_entropy or need_sens), buf(need_sens)
     cut = lambda t, r: None if t is None else t[:r]  # noqa: E731
@@ -309,7 +312,7 @@ def _backward(logits, targets, shard: VocabShard, temperature, lse, h, g_lp, g_h
     # fp32/fp64 gradients are computed straight in their slice of `grad`; bf16/fp16 ones in an
     # fp32 tile rounded once into `grad`.
     direct_out = grad.dtype == cd
-    rows = tile_rows(n, chunk)
+    rows = tile_rows(n, chunk, dev)
     gbuf = None if direct_out else torch.empty((rows, n), dtype=cd, device=dev)
     work = None if coefs.c1 is None else torch.empty((rows, n), dtype=cd, device=dev)
     for a in range(0, T, rows):

@@ -18,7 +18,9 @@ Timing: each variant runs in its own process (built and warmed up once), ``--rep
 rounds, one thread per process; the ratio is the median over rounds of ours / reference (< 1:
 ours is faster). Peak: the peak of live torch CPU allocations during one forward + backward above
 the level at its start (inputs excluded, the ``[T, V]`` logits gradient included), from
-``torch.profiler`` allocator events. The ratios go to ``benchmarks/results/vocab_parallel.json``.
+``torch.profiler`` allocator events. For the no-logits row each variant is also profiled once
+(seconds and GFLOP in matrix multiplies against the rest). The ratios go to
+``benchmarks/results/vocab_parallel.json``.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_vocab_parallel.py --slime-path
 /path/to/slime [--repeats 5] [--quick] [--tile-sweep 131072 262144 524288]``.
@@ -117,6 +119,41 @@ def peak_bytes(fn) -> int:
     return peak
 
 
+MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::matmul", "aten::bmm"}
+
+
+def _gemm_flops(op: str, shapes) -> float:
+    """``2*M*K*N`` of one mm / addmm call from its input shapes (``aten::matmul`` is a wrapper
+    around ``aten::mm``: not counted twice)."""
+    mats = [sh for sh in shapes if isinstance(sh, list) and len(sh) == 2]
+    if op == "aten::mm":
+        (m, k), (_, n) = mats[0], mats[1]
+    elif op in ("aten::addmm", "aten::addmm_"):
+        (m, k), (_, n) = mats[1], mats[2]
+    else:
+        return 0.0
+    return 2.0 * m * k * n
+
+
+def op_profile(fn) -> dict:
+    """One call under ``torch.profiler``: seconds and GFLOP (from the operand shapes) in matrix
+    multiplies, seconds in the rest, and the three most expensive other operators (self time)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    mm_s = mm_flops = other_s = 0.0
+    others = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in MATMULS:
+            mm_s += e.self_cpu_time_total / 1e6
+            mm_flops += e.count * _gemm_flops(e.key, e.input_shapes) / 1e9
+        else:
+            other_s += e.self_cpu_time_total / 1e6
+            others[e.key] = others.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:3]
+    return {"matmul_s": mm_s, "matmul_gflop": mm_flops, "other_s": other_s,
+            "matmul_share": mm_s / (mm_s + other_s), "top_other": top}
+
+
 def _runner(call, outputs):
     call()  # warm-up
 
@@ -127,6 +164,8 @@ def _runner(call, outputs):
             return time.perf_counter() - s
         if cmd == "peak":
             return peak_bytes(call)
+        if cmd == "profile":
+            return op_profile(call)
         if cmd == "outputs":
             return outputs()
         raise ValueError(cmd)
@@ -185,16 +224,19 @@ def setup_linear(rank, world_size, kind, T, H, V, tiles=None):
     return _runner(call, outputs)
 
 
-def measure(ref: Variant, ours: Variant, repeats: int) -> dict:
+def measure(ref: Variant, ours: Variant, repeats: int, with_profile: bool = False) -> dict:
     worlds = start([ref, ours])
     try:
         times = interleaved_times(worlds, [ref.name, ours.name], repeats)
         peaks = {v.name: worlds.ask(v.name, "peak")[0] for v in (ref, ours)}
         (lr, er), (lo, eo) = (worlds.ask(v.name, "outputs")[0] for v in (ref, ours))
+        profiles = {v.name: worlds.ask(v.name, "profile")[0] for v in (ref, ours)} \
+            if with_profile else None
     finally:
         worlds.close()
     tr, to = times[ref.name], times[ours.name]
-    return {
+    extra = {} if profiles is None else {"profile": profiles}
+    return {**extra,
         "ref_s": statistics.median(tr), "ours_s": statistics.median(to),
         "time_ratio": paired_ratio(to, tr),
         "ref_times_s": tr, "ours_times_s": to,
@@ -274,7 +316,8 @@ def main():
             ref = Variant("matmul+ours", setup_linear, ("matmul+ours", *case))
             ours = Variant("fused", setup_linear, ("fused", *case))
         r = {"name": name, "ref": ref.name, "ours": ours.name, "time_goal": time_goal,
-             "mem_goal": mem_goal, **measure(ref, ours, args.repeats)}
+             "mem_goal": mem_goal,
+             **measure(ref, ours, args.repeats, with_profile=setup == "setup_linear")}
         verdict = _goal_text(r)
         print(f"{name:<44} {ref.name} {r['ref_s']:6.3f}s vs ours {r['ours_s']:6.3f}s "
               f"(x{r['time_ratio']:4.2f})  peak {r['ref_peak_mib']:7.1f} vs {r['ours_peak_mib']:7.1f}"
@@ -282,6 +325,11 @@ def main():
               f"max|d H| {r['max_abs_diff_entropy']:.1e}  "
               f"[{verdict}]", flush=True)
         record["rows"].append(r)
+        for who, prof in r.get("profile", {}).items():
+            print(f"  profile {who:<12} matmul {prof['matmul_s']:.2f}s for "
+                  f"{prof['matmul_gflop']:.0f} GFLOP ({prof['matmul_share']:.0%} of the op time), "
+                  f"the rest {prof['other_s']:.2f}s, top: " + ", ".join(
+                      f"{k} {v:.2f}s" for k, v in prof["top_other"]))
     for dtype in ("float32", "bfloat16") if args.tile_sweep else ():
         case = (T, V, dtype, True)
         default = Variant("tile=default", setup_logits, ("ours", *case, None, 0))

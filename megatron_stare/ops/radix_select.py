@@ -27,29 +27,23 @@ def order_keys(values: Tensor) -> Tuple[Tensor, int]:
     """Order-preserving integer keys ``[N]`` of float values and the key width (32 or 64 bits).
 
     fp64 uses its 64-bit pattern (int64 keys); every narrower float is exactly representable in
-    fp32 and uses the 32-bit pattern (int32 keys: half the memory traffic). -0.0 is folded into
-    +0.0 (they compare equal). NaN keys lie above +inf's or below -inf's (see :func:`nan_bounds`).
+    fp32 and uses the 32-bit pattern (int32 keys: half the memory traffic). A non-negative float
+    keeps its bits; a negative one with magnitude bits ``m`` gets ``-m``, so -0.0 and +0.0 both
+    get 0 (they compare equal). NaN keys lie above +inf's or below -inf's.
     """
     if values.dtype == torch.float64:
-        b = (values + 0.0).view(torch.int64)  # -0.0 + 0.0 = +0.0
-        flip = b >> 63
-        flip &= INT64_MAX
-        b ^= flip
-        return b, 64
-    b = (values.float() + 0.0).view(torch.int32)
-    flip = b >> 31
-    flip &= 0x7FFFFFFF
-    b ^= flip
-    return b, 32
+        b = values.view(torch.int64)
+        return torch.where(b >= 0, b, INT64_MIN - b), 64
+    b = values.float().view(torch.int32)
+    return torch.where(b >= 0, b, -(1 << 31) - b), 32
 
 
 def key_to_float(key: int, width: int) -> float:
     """Inverse of :func:`order_keys` for one key (Python ints, exact)."""
-    if width == 64:
-        bits = key ^ INT64_MAX if key < 0 else key
-        return struct.unpack("<d", struct.pack("<q", bits))[0]
-    bits = key ^ 0x7FFFFFFF if key < 0 else key
-    return struct.unpack("<f", struct.pack("<i", bits))[0]
+    low = -(1 << (width - 1))
+    bits = key if key >= 0 else low - key
+    return struct.unpack("<d" if width == 64 else "<f",
+                         struct.pack("<q" if width == 64 else "<i", bits))[0]
 
 
 def all_gather(t: Tensor, group) -> List[Tensor]:

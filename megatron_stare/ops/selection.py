@@ -4,8 +4,9 @@ Used for the STARE / Clip-Cov / KL-Cov token selection with ``global`` scope: th
 exact k-th largest surprisal over the whole optimizer mini-batch, whatever the data-/context-
 parallel layout and micro-batch split.
 
-Algorithm: each float is mapped to an order-preserving integer key (its IEEE bits with the
-magnitude bits flipped for negatives; -0.0 is first folded into +0.0). Then, per problem:
+Algorithm: each float is mapped to an order-preserving integer key (its IEEE bits when
+non-negative, minus its magnitude bits when negative, so -0.0 and +0.0 both map to 0). Then, per
+problem:
 
 1. One all-gather carries every rank's stats (count, key range, k, errors), its best ``eager``
    items (all of them when it has no more) and a histogram of the top ``COARSE_BITS`` bits of its
@@ -185,7 +186,9 @@ def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, wh
     """The first all-gather, for all problems at once. Returns the problems: resolved when the
     gathered best items decide them, else narrowed to the coarse bin that holds the threshold."""
     local = [_local(values, keys, k, eager) for values, keys, k in items]
-    blocks = torch.stack(all_gather(torch.cat([loc.msg for loc in local]), group)).cpu().split(
+    msg = local[0].msg if len(local) == 1 else torch.cat([loc.msg for loc in local])
+    gathered = torch.stack(all_gather(msg, group)).cpu()
+    blocks = [gathered] if len(local) == 1 else gathered.split(
         [loc.msg.numel() for loc in local], dim=1)  # per problem: [world, message]
     out = []
     for (_, keys, k), loc, block in zip(items, local, blocks):

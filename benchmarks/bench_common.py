@@ -84,8 +84,13 @@ def start(variants: Sequence[Variant], world_size: int = 1, timeout: float = 360
                 try:
                     run_on_ranks(_serve, world_size, listener.address, authkey, v.name, v.setup,
                                  v.args, timeout=timeout)
-                except BaseException as e:  # noqa: BLE001 - re-raised by close()
+                except BaseException as e:  # noqa: BLE001 - re-raised by start() or close()
                     worlds.errors.append(e)
+                    try:  # wake up a driver still waiting for this world's ranks
+                        with Client(listener.address, authkey=authkey) as c:
+                            c.send((None, -1))
+                    except OSError:
+                        pass
 
             t = threading.Thread(target=target, daemon=True)
             t.start()
@@ -94,6 +99,8 @@ def start(variants: Sequence[Variant], world_size: int = 1, timeout: float = 360
             while len(got) < world_size:
                 conn = listener.accept()
                 name, rank = conn.recv()
+                if name is None:  # a world failed before all its ranks connected
+                    raise worlds.errors[0]
                 got[rank] = conn
             worlds.conns[v.name] = [got[r] for r in range(world_size)]
     except BaseException:

@@ -4,8 +4,9 @@ Every variant runs in its own world of ``world_size`` gloo ranks (``run_on_ranks
 single-process benchmarks) that builds its inputs once, warms up, and then waits for commands
 from this process over a local socket. The driver interleaves the variants: repeat 1 of A, repeat
 1 of B, ..., repeat 2 of A, ... so that load from other work on the (shared) cores hits all
-variants alike; while one variant runs, the others sleep in ``recv``. A goal is judged on the
-median over repeats of the paired ratio ``ours_i / reference_i``.
+variants alike (the order within a round is shuffled); while one variant runs, the others
+sleep in ``recv``. A goal is judged on the median over repeats of the paired ratio
+``ours_i / reference_i``.
 
 A variant is ``setup(rank, world_size, *args) -> runner``; ``runner(cmd)`` answers a command
 (``"time"``: seconds of one timed call; anything else is up to the benchmark) with a picklable
@@ -15,6 +16,7 @@ value. ``setup`` must be a module-level function (it is pickled by reference).
 from __future__ import annotations
 
 import platform
+import random
 import secrets
 import statistics
 import threading
@@ -111,14 +113,16 @@ def start(variants: Sequence[Variant], world_size: int = 1, timeout: float = 360
     return worlds
 
 
-def interleaved_times(worlds: Worlds, names: Sequence[str], repeats: int,
+def interleaved_times(worlds: Worlds, names: Sequence[str], repeats: int, cmd: Any = "time",
                       reduce: Callable[[List[float]], float] = max) -> Dict[str, List[float]]:
-    """``repeats`` rounds; in each, every variant in turn times one call. A multi-rank variant's
-    time is ``reduce`` over its ranks (default: the slowest rank)."""
+    """``repeats`` rounds; in each, every variant times one ``cmd``, in an order shuffled per
+    round (seeded) so that no variant always follows the same one. A multi-rank variant's time
+    is ``reduce`` over its ranks (default: the slowest rank)."""
+    order = random.Random(0)
     out: Dict[str, List[float]] = {n: [] for n in names}
     for _ in range(repeats):
-        for n in names:
-            out[n].append(reduce(worlds.ask(n, "time")))
+        for n in order.sample(list(names), len(names)):
+            out[n].append(reduce(worlds.ask(n, cmd)))
     return out
 
 

@@ -10,12 +10,13 @@ own world of ranks (processes), timed in interleaved rounds:
 - ``gather``: ``all_gather`` of values and keys, ``torch.topk`` on the concatenation, then the
   local mask ``v >= kth`` (what an exact-threshold baseline costs; it does not resolve ties).
 
-A sample is the mean of enough back-to-back calls to last about 5 ms (barrier first; the slowest
-rank counts); the ratio is the median over rounds of ours / gather (<= 1.2 is the goal). Also
-printed: the bytes each rank receives through our collectives (counted on them) against
-``N_global * 12`` for the gather. The ranks share 2 cores, so the absolute times are dominated by
-collective latency and oversubscription; the message sizes carry over to NCCL. The ratios go to
-``benchmarks/results/selection.json``.
+A sample is the mean of the same number of back-to-back calls for every variant, enough for
+about 5 ms (barrier first; the slowest rank counts); the ratio is the median over rounds of
+ours / gather (<= 1.2 is the goal). Also printed: the bytes each rank receives through our
+collectives (counted on them) against ``N_global * 12`` for the gather. The ranks share 2 cores,
+so the absolute times are dominated by collective latency and oversubscription; the message sizes
+carry over to NCCL. ``--aa`` adds a second, identical world of ours: its ratio shows the noise.
+The ratios go to ``benchmarks/results/selection.json``.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_selection.py [--repeats 31] [--aa]
 [--sizes 1024 65536 1048576] [--worlds 2 3 4] [--sweep 11:4096 16:65536]``.
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_common import Variant, machine, paired_ratio, start
+from bench_common import Variant, interleaved_times, machine, paired_ratio, start
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
 SIZES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
@@ -81,26 +82,22 @@ def setup(rank, world_size, kind, radix_bits, gather_max, eager=None):
         if (n_local, two) not in cache:
             sets = [_data(rank, world_size, n_local, w) for w in range(2 if two else 1)]
             k = (n_local * world_size) // 10
-            call = lambda: fn(sets, k)  # noqa: E731
-            call()  # warm-up
-            dist.barrier()
-            s = time.perf_counter()
-            call()
-            t = torch.tensor([time.perf_counter() - s], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank must run the same count
-            inner = max(1, math.ceil(SAMPLE_S / float(t)))
-            cache[(n_local, two)] = (call, inner)
+            cache[(n_local, two)] = lambda: fn(sets, k)
+            cache[(n_local, two)]()  # warm-up
         return cache[(n_local, two)]
 
     def run(cmd):
-        op, n_local, two = cmd
-        call, inner = case(n_local, two)
-        if op == "time":
+        op, n_local, two, *inner = cmd
+        call = case(n_local, two)
+        if op in ("time", "calibrate"):
+            # "calibrate": one call; "time": the mean of `inner` back-to-back calls, the same
+            # count for every variant (a lone call right after the barrier is faster).
+            count = inner[0] if op == "time" else 1
             dist.barrier()
             s = time.perf_counter()
-            for _ in range(inner):
+            for _ in range(count):
                 call()
-            return (time.perf_counter() - s) / inner
+            return (time.perf_counter() - s) / count
         if op == "selected":
             n = torch.tensor([int(m.sum()) for m in call()])
             dist.all_reduce(n)
@@ -144,6 +141,8 @@ def main():
     ap.add_argument("--two", action="store_true", help="also time two thresholds (STARE C2)")
     ap.add_argument("--sweep", nargs="*", default=[], metavar="BITS:GATHER_MAX[:EAGER]",
                     help="also time ours with these radix_bits:gather_max[:eager] settings")
+    ap.add_argument("--merge", action="store_true", help="replace only this run's rows (same "
+                    "world, size and threshold count) in an existing --out file")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     print("exact top-k (ours) vs all_gather + torch.topk (gather); gloo, ranks share 2 CPU "
@@ -161,11 +160,11 @@ def main():
         try:
             for two in (False, True) if args.two else (False,):
                 for n_local in args.sizes:
-                    cmd = ("time", n_local, two)
-                    times = {n: [] for n in names}
-                    for _ in range(args.repeats):
-                        for n in names:
-                            times[n].append(max(worlds.ask(n, cmd)))
+                    calib = interleaved_times(worlds, names, 3, cmd=("calibrate", n_local, two))
+                    t_call = min(min(ts) for ts in calib.values())
+                    inner = max(1, math.ceil(SAMPLE_S / t_call))
+                    times = interleaved_times(worlds, names, args.repeats,
+                                              cmd=("time", n_local, two, inner))
                     sel = {n: worlds.ask(n, ("selected", n_local, two))[0] for n in names}
                     n_calls, n_bytes = worlds.ask("ours", ("bytes", n_local, two))[0]
                     row = {"world": ws, "n_local": n_local, "thresholds": 2 if two else 1,
@@ -189,8 +188,14 @@ def main():
                           f"{sel['ours']} (k={row['k']}) vs {sel['gather']}  {extra}", flush=True)
         finally:
             worlds.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    out = Path(args.out)
+    if args.merge and out.exists():
+        key = lambda r: (r["thresholds"], r["world"], r["n_local"])  # noqa: E731
+        mine = {key(r) for r in record["rows"]}
+        old = [r for r in json.loads(out.read_text())["rows"] if key(r) not in mine]
+        record["rows"] = sorted(old + record["rows"], key=key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

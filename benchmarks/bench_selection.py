@@ -154,7 +154,8 @@ def main():
     if args.aa:
         variants.append(Variant("ours-A/A", setup, ("ours", 0, 0)))
     names = [v.name for v in variants]
-    record = {"machine": machine(), "repeats": args.repeats, "goal": 1.2, "rows": []}
+    record = {"machine": machine(), "repeats": args.repeats, "repeats_up_to_16k": 3 * args.repeats,
+              "goal": 1.2, "rows": []}
     for ws in args.worlds:
         worlds = start(variants, world_size=ws)
         try:
@@ -163,7 +164,9 @@ def main():
                     calib = interleaved_times(worlds, names, 3, cmd=("calibrate", n_local, two))
                     t_call = min(min(ts) for ts in calib.values())
                     inner = max(1, math.ceil(SAMPLE_S / t_call))
-                    times = interleaved_times(worlds, names, args.repeats,
+                    # Small sizes are cheap and the noisiest: three times the rounds.
+                    reps = args.repeats * (3 if n_local <= 1 << 14 else 1)
+                    times = interleaved_times(worlds, names, reps,
                                               cmd=("time", n_local, two, inner))
                     sel = {n: worlds.ask(n, ("selected", n_local, two))[0] for n in names}
                     n_calls, n_bytes = worlds.ask("ours", ("bytes", n_local, two))[0]

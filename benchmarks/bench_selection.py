@@ -15,10 +15,12 @@ about 5 ms (barrier first; the slowest rank counts); the ratio is the median ove
 ours / gather (<= 1.2 is the goal). Also printed: the bytes each rank receives through our
 collectives (counted on them) against ``N_global * 12`` for the gather. The ranks share 2 cores,
 so the absolute times are dominated by collective latency and oversubscription; the message sizes
-carry over to NCCL. ``--aa`` adds a second, identical world of ours: its ratio shows the noise.
+carry over to NCCL. Each variant runs in ``--replicas`` identical worlds (a world can stay slower
+than its twin for a whole run here); the ratio pools the pairs (ours#i, gather#i), and
+ours#1 / ours#0 (A/A) shows the noise.
 The ratios go to ``benchmarks/results/selection.json``.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_selection.py [--repeats 31] [--aa]
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_selection.py [--repeats 31] [--replicas 2]
 [--sizes 1024 65536 1048576] [--worlds 2 3 4] [--sweep 11:4096 16:65536]``.
 """
 
@@ -131,11 +133,43 @@ def _count_bytes(call):
     return stats["calls"], stats["bytes"]
 
 
+def _row(worlds, names, ws, n_local, two, args, reps_w) -> dict:
+    """Time one size on the started worlds and print its line."""
+    calib = interleaved_times(worlds, names, 3, cmd=("calibrate", n_local, two))
+    inner = max(1, math.ceil(SAMPLE_S / min(min(ts) for ts in calib.values())))
+    # Small sizes are cheap and the noisiest: three times the rounds.
+    reps = args.repeats * (3 if n_local <= 1 << 14 else 1)
+    t = interleaved_times(worlds, names, reps, cmd=("time", n_local, two, inner))
+    ours = [x for i in range(reps_w) for x in t[f"ours#{i}"]]
+    gather = [x for i in range(reps_w) for x in t[f"gather#{i}"]]
+    sel = {n: worlds.ask(n, ("selected", n_local, two))[0] for n in ("ours#0", "gather#0")}
+    n_calls, n_bytes = worlds.ask("ours#0", ("bytes", n_local, two))[0]
+    row = {"world": ws, "n_local": n_local, "thresholds": 2 if two else 1,
+           "gather_s": statistics.median(gather), "ours_s": statistics.median(ours),
+           "ratio": paired_ratio(ours, gather), "ours_collectives": n_calls,
+           "ours_bytes_in": n_bytes, "gather_bytes_in": n_local * ws * 12 * (2 if two else 1),
+           "selected_ours": sel["ours#0"], "selected_gather": sel["gather#0"],
+           "k": (n_local * ws) // 10}
+    row["met"] = row["ratio"] <= 1.2
+    if reps_w > 1:
+        row["ratio ours-A/A"] = paired_ratio(t["ours#1"], t["ours#0"])
+    for n in names[2 * reps_w :]:
+        row[f"ratio {n}"] = paired_ratio(t[n], t["gather#0"])
+    extra = "  ".join(f"{k[6:]} x{v:.2f}" for k, v in row.items() if k.startswith("ratio "))
+    print(f"world={ws} N_local={n_local:>8} thr={row['thresholds']}  ours "
+          f"{row['ours_s'] * 1e3:8.2f} ms  gather {row['gather_s'] * 1e3:8.2f} ms  ours/gather "
+          f"x{row['ratio']:5.2f} [{'met' if row['met'] else 'MISSED'}]  in/rank ours "
+          f"{n_bytes / 1024:7.1f} KiB ({n_calls} coll.) vs {row['gather_bytes_in'] / 2 ** 20:7.2f}"
+          f" MiB  selected {sel['ours#0']} (k={row['k']}) vs {sel['gather#0']}  {extra}",
+          flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=31)
-    ap.add_argument("--aa", action="store_true", help="also time a second, identical world of "
-                    "ours: its ratio to ours shows the noise of the measurement")
+    ap.add_argument("--replicas", type=int, default=2, help="worlds per variant (gather, ours); "
+                    "with 2 or more, ours#1 / ours#0 (A/A) shows the noise of the measurement")
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--two", action="store_true", help="also time two thresholds (STARE C2)")
@@ -149,46 +183,22 @@ def main():
           f"cores; {args.repeats} interleaved rounds, each variant its own world of processes; "
           "ratio = median of ours/gather; k = 10% of N_global; fp32 values with many ties")
     sweeps = [tuple(int(x) for x in s.split(":")) for s in args.sweep]
-    variants = [Variant("gather", setup, ("gather", 0, 0)), Variant("ours", setup, ("ours", 0, 0))]
+    # Each of gather and ours runs in `--replicas` worlds; a world can stay slower than its
+    # identical twin for a whole run on this shared machine, so pairs are (ours#i, gather#i) and
+    # the ratio is the median over all of them; ours#1 / ours#0 (A/A) is the noise floor.
+    reps_w = max(1, args.replicas)
+    variants = [Variant(f"{kind}#{i}", setup, (kind, 0, 0))
+                for i in range(reps_w) for kind in ("gather", "ours")]
     variants += [Variant(f"ours[{':'.join(map(str, sw))}]", setup, ("ours", *sw)) for sw in sweeps]
-    if args.aa:
-        variants.append(Variant("ours-A/A", setup, ("ours", 0, 0)))
     names = [v.name for v in variants]
     record = {"machine": machine(), "repeats": args.repeats, "repeats_up_to_16k": 3 * args.repeats,
-              "goal": 1.2, "rows": []}
+              "replica_worlds": reps_w, "goal": 1.2, "rows": []}
     for ws in args.worlds:
         worlds = start(variants, world_size=ws)
         try:
             for two in (False, True) if args.two else (False,):
                 for n_local in args.sizes:
-                    calib = interleaved_times(worlds, names, 3, cmd=("calibrate", n_local, two))
-                    t_call = min(min(ts) for ts in calib.values())
-                    inner = max(1, math.ceil(SAMPLE_S / t_call))
-                    # Small sizes are cheap and the noisiest: three times the rounds.
-                    reps = args.repeats * (3 if n_local <= 1 << 14 else 1)
-                    times = interleaved_times(worlds, names, reps,
-                                              cmd=("time", n_local, two, inner))
-                    sel = {n: worlds.ask(n, ("selected", n_local, two))[0] for n in names}
-                    n_calls, n_bytes = worlds.ask("ours", ("bytes", n_local, two))[0]
-                    row = {"world": ws, "n_local": n_local, "thresholds": 2 if two else 1,
-                           "gather_s": statistics.median(times["gather"]),
-                           "ours_s": statistics.median(times["ours"]),
-                           "ratio": paired_ratio(times["ours"], times["gather"]),
-                           "ours_collectives": n_calls, "ours_bytes_in": n_bytes,
-                           "gather_bytes_in": n_local * ws * 12 * (2 if two else 1),
-                           "selected_ours": sel["ours"], "selected_gather": sel["gather"],
-                           "k": (n_local * ws) // 10}
-                    row["met"] = row["ratio"] <= record["goal"]
-                    for n in names[2:]:
-                        row[f"ratio {n}"] = paired_ratio(times[n], times["gather"])
-                    record["rows"].append(row)
-                    extra = "  ".join(f"{n} x{row[f'ratio {n}']:.2f}" for n in names[2:])
-                    print(f"world={ws} N_local={n_local:>8} thr={row['thresholds']}  ours "
-                          f"{row['ours_s'] * 1e3:8.2f} ms  gather {row['gather_s'] * 1e3:8.2f} ms"
-                          f"  ours/gather x{row['ratio']:5.2f} [{'met' if row['met'] else 'MISSED'}]"
-                          f"  in/rank ours {n_bytes / 1024:7.1f} KiB ({n_calls} coll.) vs "
-                          f"{row['gather_bytes_in'] / 2 ** 20:7.2f} MiB  selected "
-                          f"{sel['ours']} (k={row['k']}) vs {sel['gather']}  {extra}", flush=True)
+                    record["rows"].append(_row(worlds, names, ws, n_local, two, args, reps_w))
         finally:
             worlds.close()
     out = Path(args.out)

@@ -106,8 +106,48 @@ def setup(rank, world_size, kind, radix_bits, gather_max, eager=None):
             return n.tolist()
         if op == "bytes":
             return _count_bytes(call)
+        if op == "phases":
+            return _phases(call)
         raise ValueError(op)
     return run
+
+
+def _phases(call, calls: int = 200) -> dict:
+    """Median seconds per phase of one call over ``calls`` calls (barrier before each): the work
+    before the first collective, the collectives (all-gathers and all-reduces), and the work
+    after the last; plus the number of torch operators one call dispatches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    marks = []
+    real = {"all_gather": dist.all_gather, "all_reduce": dist.all_reduce}
+
+    def timed(fn):
+        def wrapper(*a, **kw):
+            marks.append(time.perf_counter())
+            out = fn(*a, **kw)
+            marks.append(time.perf_counter())
+            return out
+        return wrapper
+
+    spans = []
+    dist.all_gather, dist.all_reduce = timed(real["all_gather"]), timed(real["all_reduce"])
+    try:
+        for _ in range(calls):
+            marks.clear()
+            dist.barrier()
+            s = time.perf_counter()
+            call()
+            e = time.perf_counter()
+            coll = sum(b - a for a, b in zip(marks[::2], marks[1::2]))
+            spans.append((marks[0] - s, coll, e - marks[-1], e - s))
+    finally:
+        dist.all_gather, dist.all_reduce = real["all_gather"], real["all_reduce"]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    n_ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    names = ("before_collective", "collectives", "after_collective", "total")
+    return {**{n: statistics.median(x[i] for x in spans) for i, n in enumerate(names)},
+            "aten_ops": n_ops}
 
 
 def _count_bytes(call):
@@ -151,11 +191,18 @@ def _row(worlds, names, ws, n_local, two, args, reps_w) -> dict:
            "selected_ours": sel["ours#0"], "selected_gather": sel["gather#0"],
            "k": (n_local * ws) // 10}
     row["met"] = row["ratio"] <= 1.2
+    if ws == 2 and not two and n_local <= args.phases:
+        row["phases"] = {n: worlds.ask(n, ("phases", n_local, two))[0]
+                         for n in ("ours#0", "gather#0")}
     if reps_w > 1:
         row["ratio ours-A/A"] = paired_ratio(t["ours#1"], t["ours#0"])
     for n in names[2 * reps_w :]:
         row[f"ratio {n}"] = paired_ratio(t[n], t["gather#0"])
     extra = "  ".join(f"{k[6:]} x{v:.2f}" for k, v in row.items() if k.startswith("ratio "))
+    for n, ph in row.get("phases", {}).items():
+        print(f"  phases {n:<8} " + "  ".join(
+            f"{k} {v * 1e3:.3f} ms" if k != "aten_ops" else f"{v} aten ops"
+            for k, v in ph.items()))
     print(f"world={ws} N_local={n_local:>8} thr={row['thresholds']}  ours "
           f"{row['ours_s'] * 1e3:8.2f} ms  gather {row['gather_s'] * 1e3:8.2f} ms  ours/gather "
           f"x{row['ratio']:5.2f} [{'met' if row['met'] else 'MISSED'}]  in/rank ours "
@@ -175,6 +222,8 @@ def main():
     ap.add_argument("--two", action="store_true", help="also time two thresholds (STARE C2)")
     ap.add_argument("--sweep", nargs="*", default=[], metavar="BITS:GATHER_MAX[:EAGER]",
                     help="also time ours with these radix_bits:gather_max[:eager] settings")
+    ap.add_argument("--phases", type=int, default=1 << 14, metavar="N",
+                    help="profile the phases of one call at world 2 up to N values per rank")
     ap.add_argument("--merge", action="store_true", help="replace only this run's rows (same "
                     "world, size and threshold count) in an existing --out file")
     ap.add_argument("--out", default=str(RESULTS))

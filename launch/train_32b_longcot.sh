@@ -13,21 +13,23 @@
 #                $MODEL_DIR/config.json, else examples/configs/qwen2.5-32b.json.
 #   --print-cmd  print the training command and exit.
 #   a.b=c        extra overrides, applied last (e.g. parallel.micro_batch_tokens=32768).
-# Environment: NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE GPU_MEM_GB MODEL_DIR DATA_DIR
-#              RUN_DIR PYTHON.
+# Environment: NNODES NODE_RANK MASTER_ADDR (required when NNODES > 1) MASTER_PORT MASTER_WAIT_S
+#              GPUS_PER_NODE GPU_MEM_GB MODEL_DIR DATA_DIR RUN_DIR VENV (the environment that runs
+#              it: default .venv, see launch/common.sh).
+# Before torchrun starts, the node checks that it can reach MASTER_ADDR:MASTER_PORT (node rank > 0
+# waits up to MASTER_WAIT_S, default 120 s, for node 0) and validates the config: one line, exit 2.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 NNODES=${NNODES:-4}
 NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_ADDR=${MASTER_ADDR:-}            # required when NNODES > 1: node rank 0's host
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPU_MEM_GB=${GPU_MEM_GB:-80}
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-32B}
 DATA_DIR=${DATA_DIR:-/data}
 RUN_DIR=${RUN_DIR:-runs/qwen2.5-32b-stare-longcot}
-PYTHON=${PYTHON:-python}
 CONFIG=examples/qwen2.5_32b_longcot.yaml
 FALLBACK_HF_CONFIG=examples/configs/qwen2.5-32b.json
 

@@ -5,21 +5,21 @@
 # Runs `torchrun --standalone --nproc-per-node 2 -m megatron_stare.train --config
 # examples/tiny_cpu.yaml` with the settings below as a.b=c overrides grouped by concern. If
 # $TINY_DIR/model or $TINY_DIR/train.jsonl is missing it is built first (a tiny checkpoint from
-# megatron_stare.testing.hf_models and an arithmetic prompt set with exact-match answers).
+# megatron_stare.models.tiny and an arithmetic prompt set with exact-match answers).
 #
 # Usage: launch/train_tiny_cpu.sh [--dry-run] [--print-cmd] [a.b=c ...]
 #   --dry-run    print the parallel plan and memory estimate instead of training (builds nothing;
 #                the HF config is $TINY_DIR/model/config.json, else the tiny model's defaults).
 #   --print-cmd  print the training command and exit.
 #   a.b=c        extra overrides, applied last (e.g. trainer.total_steps=5).
-# Environment: NPROC (2) GPU_MEM_GB TINY_DIR (runs/tiny) PYTHON.
+# Environment: NPROC (2) GPU_MEM_GB TINY_DIR (runs/tiny) VENV (the environment that runs it: default
+#              .venv, see launch/common.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 NPROC=${NPROC:-2}
 GPU_MEM_GB=${GPU_MEM_GB:-80}
 TINY_DIR=${TINY_DIR:-runs/tiny}
-PYTHON=${PYTHON:-python}
 CONFIG=examples/tiny_cpu.yaml
 
 source launch/common.sh
@@ -63,7 +63,7 @@ ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS
 if [[ $MODE == plan ]]; then
   HF_CONFIG=$TINY_DIR/model/config.json
   if [[ ! -f $HF_CONFIG ]]; then
-    # The defaults of megatron_stare.testing.hf_models.build_tiny_hf_model("qwen2", ...).
+    # The defaults of megatron_stare.models.tiny.build_tiny_hf_model("qwen2", ...).
     HF_CONFIG=$(mktemp "${TMPDIR:-/tmp}/tiny-config.XXXXXX")
     trap 'rm -f "$HF_CONFIG"' EXIT
     cat >"$HF_CONFIG" <<'JSON'
@@ -74,23 +74,23 @@ if [[ $MODE == plan ]]; then
 JSON
   fi
   rc=0
-  "$PYTHON" -m megatron_stare.plan --config "$CONFIG" --world-size "$NPROC" \
+  "$RUN_PY" -m megatron_stare.plan --config "$CONFIG" --world-size "$NPROC" \
     --gpu-mem-gb "$GPU_MEM_GB" --hf-config "$HF_CONFIG" "${ARGS[@]}" || rc=$?
   exit $rc
 fi
 
-CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
+CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
      -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
 if [[ $MODE == print ]]; then
-  printf '%q ' "${CMD[@]}"; echo
+  print_cmd "${CMD[@]}"
   exit 0
 fi
 
 if [[ ! -f $TINY_DIR/model/config.json || ! -f $TINY_DIR/train.jsonl ]]; then
-  TINY_DIR=$TINY_DIR "$PYTHON" - <<'PY'
+  TINY_DIR=$TINY_DIR "$RUN_PY" - <<'PY'
 import json, os, random
 from pathlib import Path
-from megatron_stare.testing.hf_models import build_tiny_hf_model
+from megatron_stare.models.tiny import build_tiny_hf_model
 
 root = Path(os.environ["TINY_DIR"])
 if not (root / "model" / "config.json").is_file():
@@ -104,5 +104,6 @@ if not (root / "train.jsonl").is_file():
 print(f"prepared {root}")
 PY
 fi
+"$RUN_PY" -m megatron_stare.config --quiet --config "$CONFIG" --world-size "$NPROC" "${ARGS[@]}" || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-exec "${CMD[@]}"
+run_torchrun "${CMD[@]}"

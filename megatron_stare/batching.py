@@ -5,6 +5,9 @@
    count (longest first to the least-loaded rank; ties by sample id, then rank), deterministic.
 3. ``pack_micro_batches``: a rank's samples packed, longest first, into micro-batches whose
    padded size ``rows * max_len`` stays within a token budget (dynamic batch size).
+4. ``collate``: right-padded to the longest row, rounded up to ``sequence_pad_multiple`` (what
+   sequence and context parallelism split the sequence by). Padding is a masked target
+   (``loss_mask`` False, ``token_keys`` 0), so no loss, selection or metric sees it.
 
 Every rank computes the same plan from the same global batch, so the pipeline stages and
 tensor-parallel ranks of a replica iterate identical micro-batches without talking.
@@ -65,8 +68,20 @@ def pack_micro_batches(samples: Sequence[Sample], token_budget: int,
     return out
 
 
-def collate(samples: Sequence[Sample], with_engine_logp: bool = False) -> MicroBatch:
-    """Right-padded ``MicroBatch`` of ``samples`` (see ``MicroBatch`` for the alignment)."""
+def sequence_pad_multiple(tp: int, cp: int = 1, sequence_parallel: bool = False) -> int:
+    """The multiple a micro-batch's length must have for Megatron to split it.
+
+    Sequence parallelism scatters the sequence over the ``tp`` ranks; context parallelism cuts it
+    into ``2*cp`` load-balanced chunks, and with both each chunk is scattered over TP:
+    ``tp * 2*cp``. Without either, 1.
+    """
+    sp = tp if sequence_parallel else 1
+    return sp * (2 * cp if cp > 1 else 1)
+
+
+def collate(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1) -> MicroBatch:
+    """Right-padded ``MicroBatch`` of ``samples`` (see ``MicroBatch`` for the alignment), its
+    length rounded up to a multiple of ``pad_multiple`` (``sequence_pad_multiple``)."""
     rows, tgts, masks, keys = [], [], [], []
     for s in samples:
         seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
@@ -79,7 +94,7 @@ def collate(samples: Sequence[Sample], with_engine_logp: bool = False) -> MicroB
         key = torch.zeros(inp.numel(), dtype=torch.long)
         key[p - 1:] = s.sample_id * KEY_STRIDE + torch.arange(r)
         rows.append(inp), tgts.append(tgt), masks.append(mask), keys.append(key)
-    width = max(r.numel() for r in rows)
+    width = -(-max(r.numel() for r in rows) // pad_multiple) * pad_multiple
     mb = MicroBatch(
         input_ids=pad_stack(rows, width),
         position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous(),
@@ -128,12 +143,13 @@ def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 
 def plan_rank_batches(samples: Sequence[Sample], *, mini_batches: int, dp_rank: int, dp_size: int,
                       token_budget: int, max_rows: Optional[int] = None,
-                      with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0
-                      ) -> List[List[MicroBatch]]:
-    """This DP rank's micro-batches for each mini-batch of the step (CP-sliced when ``cp > 1``)."""
+                      with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0,
+                      pad_multiple: int = 1) -> List[List[MicroBatch]]:
+    """This DP rank's micro-batches for each mini-batch of the step (CP-sliced when ``cp > 1``),
+    each padded to a multiple of ``pad_multiple`` (``sequence_pad_multiple``)."""
     out = []
     for mini in split_mini_batches(samples, mini_batches):
         mine = assign_data_parallel(mini, dp_size)[dp_rank]
-        out.append([cp_slice(collate(g, with_engine_logp), cp, cp_rank)
+        out.append([cp_slice(collate(g, with_engine_logp, pad_multiple), cp, cp_rank)
                     for g in pack_micro_batches(mine, token_budget, max_rows)])
     return out

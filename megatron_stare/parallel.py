@@ -20,6 +20,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stare.rendezvous import check_env, free_port
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot work; the message names the degree and the fix."""
@@ -40,8 +42,8 @@ class ModelShape:
 class ParallelLayout:
     """Degrees of tensor (tp), pipeline (pp), data (dp) and context (cp) parallelism.
 
-    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` and
-    ``distributed_optimizer`` are GPU features (see ``compat/cpu.py``) validated here too.
+    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` (needs tp > 1) and
+    ``distributed_optimizer`` run on CUDA and, through ``compat/cpu.py``, on CPU gloo ranks.
     """
 
     tp: int = 1
@@ -102,12 +104,6 @@ class ParallelLayout:
         if cuda is None:
             cuda = torch.cuda.is_available()
         if not cuda:
-            if self.sequence_parallel:
-                raise LayoutError("parallel.sequence_parallel needs CUDA (torch norms refuse it on "
-                                  "CPU); set parallel.sequence_parallel=false")
-            if self.distributed_optimizer:
-                raise LayoutError("parallel.distributed_optimizer needs CUDA; set "
-                                  "parallel.distributed_optimizer=false on CPU")
             if self.cp > 1:
                 raise LayoutError("parallel.cp > 1 needs transformer-engine attention on CUDA; "
                                   "set parallel.cp=1 on CPU")
@@ -165,7 +161,9 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
     """Create the default group if needed, set Megatron's parallel state once, seed RNG.
 
     Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as set by torchrun when the default group
-    does not exist yet. Applies the CPU compatibility layer when CUDA is absent.
+    does not exist yet, after checking MASTER_ADDR/MASTER_PORT (``rendezvous.check_env``: one
+    ``RendezvousError`` line instead of a hang). Applies the CPU compatibility layer when CUDA
+    is absent.
     """
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -178,11 +176,12 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if world == 1 and "MASTER_ADDR" not in os.environ:
-            from megatron_stare.testing.distributed import free_port
-
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
+        # A missing, unresolvable or unreachable MASTER_ADDR would hang in the store's connect
+        # retries for the whole timeout: fail in one line instead (rendezvous.py).
+        check_env(world, int(os.environ.get("RANK", "0")))
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
             rank=int(os.environ.get("RANK", "0")),

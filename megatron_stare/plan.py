@@ -62,12 +62,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.config_checks import COLOCATED_ENGINES
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
 
 GiB = float(2**30)
 PHASES = ("train", "sync", "rollout")
-COLOCATED_ENGINES = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -382,35 +382,9 @@ def load_hf_config(path: str) -> dict:
 
 
 def check_for_gpus(cfg: Config, hf_config: dict, world_size: int) -> Config:
-    """``validate_config`` for a GPU run, plus the checks that need the model's shape."""
-    from megatron_stare.parallel import LayoutError, ModelShape, ParallelLayout
-
-    validate_config(cfg, world_size=world_size, cuda=True, check_paths=False)
-    try:
-        spec = _spec(hf_config)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
-    p = cfg.parallel
-    shape = ModelShape(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                       num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
-                       hidden_size=spec.hidden_size)
-    try:
-        ParallelLayout.from_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp).validate(shape=shape, cuda=True)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    r = cfg.rollout
-    if r.engine in COLOCATED_ENGINES:
-        if world_size % r.tp:
-            raise ConfigError(f"rollout.tp={r.tp} does not divide the world size {world_size}; a "
-                              f"colocated engine runs its TP groups inside the trainer's ranks")
-        if spec.num_attention_heads % r.tp:
-            raise ConfigError(f"rollout.tp={r.tp} does not divide the {spec.num_attention_heads} "
-                              f"attention heads; choose a divisor of the head count")
-    max_seq = cfg.data.max_prompt_length + r.max_new_tokens
-    if max_seq > spec.max_position_embeddings:
-        raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the "
-                          f"model's max_position_embeddings {spec.max_position_embeddings}; shorten them")
-    return cfg
+    """``validate_config`` for a GPU run on ``world_size`` GPUs, with the model shape of
+    ``hf_config`` (the layout checks run even when ``model.path`` is not on this machine)."""
+    return validate_config(cfg, world_size=world_size, cuda=True, check_paths=False, hf_config=hf_config)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

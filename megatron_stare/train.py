@@ -13,6 +13,10 @@ One step reads like the algorithm:
              -> update                             registered policy loss, Megatron optimizer
              -> weight sync                        Megatron shards -> HF buckets -> engine
              -> metrics, eval, checkpoint
+
+Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
+run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.
+Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, else a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
 
 DRIVER = 0  # the rank that owns the rollout engine, the reward pool and the logs
 
@@ -46,6 +51,9 @@ class Trainer:
         from megatron_stare.rewards import get_reward_fn
 
         self.cfg = cfg
+        # First: a preemption signal during the (long) set-up is recorded, not fatal, and the run
+        # stops at the first step boundary.
+        self.preemption = Preemption.install()
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
@@ -80,24 +88,28 @@ class Trainer:
         self.engine = self.pool = None
         if self.colocated or self.rank == DRIVER:
             from megatron_stare.rewards import RewardPool
-            from megatron_stare.rollout.base import build_engine
+            from megatron_stare.rollout import build_engine
 
             self.pool = RewardPool(cfg.reward)
             self.engine = build_engine(cfg.rollout.engine, hf_dir, **self._engine_kwargs())
         self.start_step, self.skipped = 0, 0
         self._resume()
+        self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
                                     start_step=self.start_step + 1)  # steps are logged 1-based
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> None:
+    def fit(self) -> Optional[int]:
+        """Run the steps; returns None when done, or the step a preemption stopped the run at."""
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
-        fault = int(os.environ.get("MEGATRON_STARE_FAULT_AT_STEP", "-1"))
+        stopped = None
         for step in range(self.start_step, self.cfg.trainer.total_steps):
-            if step == fault:
-                os._exit(137)  # fault injection for the resume tests: die like a SIGKILL
+            if self.preempted(step):
+                stopped = step
+                break
             self.step(step)
         self.close()
+        return stopped
 
     def step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -109,9 +121,10 @@ class Trainer:
             if self.gepo is not None:
                 self._shape_gepo(batches, len({s.group_id for s in samples}))
         state = self.controller.update(stats.entropy)
-        dynamics = self.actor.entropy_diagnostics(batches, state)
+        plans = self.actor.loss_plans(batches, step, state)
+        dynamics = self.actor.entropy_diagnostics(batches, plans)
         with self.timer("update"):
-            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
+            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs, plans=plans)
         self.skipped += result.skipped_steps
         if result.skipped_steps and self.rank == DRIVER:
             print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
@@ -220,6 +233,23 @@ class Trainer:
         dist.broadcast_object_list(out, src=DRIVER)
         return out[0]
 
+    def preempted(self, step: int) -> bool:
+        """At a step boundary (``step`` steps done), collectively: did any rank get a preemption
+        signal? If so, save the finished step (unless it is saved already) and say so."""
+        sig = self.preemption.agreed(device=self.groups.device)
+        if sig is None:
+            return False
+        c = self.cfg.checkpoint
+        if c.dir and step > self.saved_step:
+            self.save(step)
+        if self.rank == DRIVER:
+            where = ("no checkpoint.dir: nothing saved" if not c.dir
+                     else "no step finished since the start" if step == self.start_step
+                     else f"saved {Path(c.dir).absolute() / f'step_{step:08d}'}")
+            print(f"[megatron-stare] preempted by {sig.name} after step {step}: {where}; rerun the same "
+                  f"command to resume (exit {PREEMPTED_EXIT_CODE})", flush=True)
+        return True
+
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "controller": self.controller.state_dict(),
@@ -232,6 +262,7 @@ class Trainer:
         save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.spec,
                         trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
                         hf_config=load_hf_config(self._hf_dir()))
+        self.saved_step = step
 
     def _resume(self) -> None:
         from megatron_stare.checkpoint import latest_complete, load_checkpoint
@@ -242,7 +273,8 @@ class Trainer:
         path = latest_complete(c.dir) if c.resume == "auto" else Path(c.resume)
         if path is None:
             return
-        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec)
+        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec,
+                                verified=c.resume == "auto")
         self.start_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])
@@ -298,6 +330,7 @@ class Trainer:
         return {"max_model_len": max_len}
 
     def close(self) -> None:
+        self.preemption.close()
         self.logger.close()
         if self.pool is not None:
             self.pool.close()
@@ -328,16 +361,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        Trainer(cfg).fit()
+        stopped = Trainer(cfg).fit()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
-        # detected identically on every rank before any collective: one line from rank 0.
-        if int(os.environ.get("RANK", "0")) == 0:
+        # detected identically on every rank before any collective: one line from rank 0. A
+        # rendezvous error is a node's own (rank 0 may never see it): one line per node.
+        from megatron_stare.rendezvous import RendezvousError
+
+        first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
+        if int(os.environ.get(first, "0")) == 0:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if stopped is not None:
+        write_status(PREEMPTED_EXIT_CODE)  # for the launch shell: torchrun exits 1 regardless
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

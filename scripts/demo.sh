@@ -4,7 +4,8 @@
 # then runs `python -m megatron_stare.demo.run`: tiny Qwen2 model + BPE tokenizer built offline,
 # supervised warm start on single-digit addition, GRPO and STARE runs from the same start through
 # torchrun (2 ranks, TP=2 Megatron actor, `hf` engine), metrics JSONL + TensorBoard, and the figure
-# runs/demo/demo.png. About 4 minutes on 2 cores (after the bootstrap).
+# runs/demo/demo.png. About 4 minutes on 2 cores (after the bootstrap); progress lines with an ETA
+# show on the console during the warm start and each RL run (the full trainer output is in train.log).
 #
 # Usage: scripts/demo.sh [--out runs/demo] [--seed 0] [--steps 300] [--target-ratio 0.6] [--quick] [a.b=c ...]
 #   scripts/demo.sh --repro    the 3-seed table instead (python -m megatron_stare.demo.repro; ~12 min)

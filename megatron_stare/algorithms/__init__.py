@@ -2,37 +2,30 @@
 
 Per step: ``compute_advantages`` -> (optional) ``GepoShaper`` -> ``StareController.update(H)`` ->
 per mini-batch ``loss_fn.plan(...)`` once -> per micro-batch ``loss_fn(inp, plan)``.
+
+The names below are loaded on first access (PEP 562): importing ``megatron_stare.algorithms.config``
+(the config does) must not pull in torch and every loss.
 """
 
-from megatron_stare.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, register_advantage
-from megatron_stare.algorithms.aggregation import (
-    AGG_MODES,
-    LossDenominators,
-    MetricSums,
-    aggregate,
-    backward_scale,
-    compute_loss_denominators,
-    global_token_mean,
-    sequence_token_counts,
-)
-from megatron_stare.algorithms.config import AlgorithmConfig, ClipCovConfig, GepoConfig, KLCovConfig, StareConfig
-from megatron_stare.algorithms.gepo import GepoShaper, group_token_mean
-from megatron_stare.algorithms.losses import (
-    POLICY_LOSSES,
-    LossOutput,
-    LossPlan,
-    MiniBatchInput,
-    PolicyLoss,
-    PolicyLossInput,
-    build_policy_loss,
-    register_policy_loss,
-)
-from megatron_stare.algorithms.stare import StareController, StareState, stare_k
+_EXPORTS = {
+    "advantages": ("ADVANTAGE_ESTIMATORS", "compute_advantages", "register_advantage"),
+    "aggregation": ("AGG_MODES", "LossDenominators", "MetricSums", "aggregate", "backward_scale",
+                    "compute_loss_denominators", "global_token_mean", "sequence_token_counts"),
+    "config": ("AlgorithmConfig", "ClipCovConfig", "GepoConfig", "KLCovConfig", "StareConfig"),
+    "gepo": ("GepoShaper", "group_token_mean"),
+    "losses": ("POLICY_LOSSES", "LossOutput", "LossPlan", "MiniBatchInput", "PolicyLoss", "PolicyLossInput",
+               "build_policy_loss", "register_policy_loss"),
+    "stare": ("StareController", "StareState", "stare_k"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "POLICY_LOSSES", "AlgorithmConfig", "ClipCovConfig", "GepoConfig",
-    "GepoShaper", "KLCovConfig", "LossDenominators", "LossOutput", "LossPlan", "MetricSums", "MiniBatchInput",
-    "PolicyLoss", "PolicyLossInput", "StareConfig", "StareController", "StareState", "aggregate",
-    "backward_scale", "build_policy_loss", "compute_advantages", "compute_loss_denominators",
-    "global_token_mean", "group_token_mean", "register_advantage", "register_policy_loss", "sequence_token_counts", "stare_k",
-]
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from megatron_stare.algorithms import advantages, aggregation, config, gepo, losses, stare
+
+    modules = {"advantages": advantages, "aggregation": aggregation, "config": config, "gepo": gepo,
+               "losses": losses, "stare": stare}
+    return getattr(modules[_MODULE_OF[name]], name)

@@ -26,9 +26,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.algorithms import cov as cov_ops
-from megatron_stare.algorithms.aggregation import LossDenominators, MetricSums, aggregate, compute_loss_denominators
+from megatron_stare.algorithms.aggregation import (AGG_MODES, LossDenominators, MetricSums, aggregate,
+                                                   compute_loss_denominators)
 from megatron_stare.algorithms.config import AlgorithmConfig
-from megatron_stare.algorithms.kl import kl_penalty
+from megatron_stare.algorithms.kl import kl_penalty, resolve_kl_type
+from megatron_stare.config_fields import ConfigError
 from megatron_stare.algorithms.stare import StareSelection, StareState, broadcast_advantages, stare_global_selection, stare_weights
 
 LOG_RATIO_CLAMP = 20.0
@@ -206,9 +208,23 @@ def register_policy_loss(name: str) -> Callable[[Type[PolicyLoss]], Type[PolicyL
     return deco
 
 
+def check_loss_names(cfg: AlgorithmConfig, prefix: str = "algorithm") -> None:
+    """The names a loss looks up (``policy_loss``, ``loss_agg_mode``, ``kl_loss_type``) are
+    registered; ``ConfigError`` (a ValueError) naming the field otherwise."""
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"{prefix}.policy_loss must be one of {sorted(POLICY_LOSSES)}, got {cfg.policy_loss!r}")
+    if cfg.loss_agg_mode not in AGG_MODES:
+        raise ConfigError(f"{prefix}.loss_agg_mode must be one of {sorted(AGG_MODES)}, got {cfg.loss_agg_mode!r}")
+    try:
+        resolve_kl_type(cfg.kl_loss_type)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}.kl_loss_type: {e}") from None
+
+
 def build_policy_loss(cfg: AlgorithmConfig) -> PolicyLoss:
     """The registered loss ``cfg.policy_loss``; validates ``cfg`` first (ValueError naming the field)."""
     cfg.validate()
+    check_loss_names(cfg)
     return POLICY_LOSSES[cfg.policy_loss](cfg)
 
 

@@ -36,6 +36,10 @@ CONFIG = ROOT / "examples" / "demo_cpu.yaml"
 RUNS = (("GRPO", "vanilla"), ("STARE", "stare"))
 BAND = (0.7, 1.3)
 """The entropy band, as multiples of the target, that counts as 'held'."""
+PROGRESS_PREFIXES = ("step ", "[megatron-stare]")
+"""Trainer output lines echoed to the console: progress (``metrics.format_progress``), notices."""
+PROGRESS_LINES = 20
+"""About this many progress lines per RL run on the console (``logging.log_every``)."""
 
 
 @dataclass
@@ -66,7 +70,7 @@ def prepare(s: DemoSettings) -> dict:
 
     from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
     from megatron_stare.rewards.synthetic import make_task, write_jsonl
-    from megatron_stare.testing.hf_models import build_tiny_hf_model
+    from megatron_stare.models.tiny import build_tiny_hf_model
 
     out = Path(s.out)
     base = build_tiny_hf_model("qwen2", out / "base", seed=s.seed)
@@ -99,7 +103,8 @@ def trainer_overrides(s: DemoSettings, policy_loss: str, target: float, log_dir:
     ov = [f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
           f"logging.dir={log_dir}", f"algorithm.policy_loss={policy_loss}",
           f"algorithm.stare.target_entropy={target}", f"trainer.total_steps={s.steps}",
-          f"trainer.seed={s.seed + 1}", f"data.seed={s.seed}"]
+          f"trainer.seed={s.seed + 1}", f"data.seed={s.seed}",
+          f"logging.log_every={max(1, s.steps // PROGRESS_LINES)}"]
     if s.quick:
         ov += ["trainer.prompts_per_step=4", "rollout.n=4", "logging.tensorboard=false"]
     return ov + list(s.overrides)
@@ -117,7 +122,15 @@ def run_rl(s: DemoSettings, label: str, policy_loss: str, target: float) -> Path
     _log(f"{label}: {s.steps} steps (log: {log_dir / 'train.log'})")
     t0 = time.perf_counter()
     with open(log_dir / "train.log", "w") as f:
-        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        # Everything goes to the log; the trainer's progress lines (rank 0, every
+        # logging.log_every steps, with an ETA) and its notices also go to the console.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                text=True, bufsize=1)
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith(PROGRESS_PREFIXES):
+                _log(f"{label} {line.rstrip()}")
+        code = proc.wait()
     if code != 0:
         tail = (log_dir / "train.log").read_text()[-3000:]
         raise SystemExit(f"[demo] {label} run failed (exit {code}); last lines of its log:\n{tail}")

@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from megatron_stare.metrics import format_duration
 from megatron_stare.rewards.synthetic import exact_match
 
 Row = Dict[str, str]
@@ -143,8 +144,11 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
         if step % s.eval_every == 0 or step == s.max_steps:
             stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed + step,
                                    max_new_tokens=s.max_new_tokens)
-            log(f"[sft] step {step} loss {loss.item():.3f} sampled acc {stats.accuracy:.2f} "
-                f"H {stats.entropy:.3f} ({time.perf_counter() - t0:.0f}s)")
+            took = time.perf_counter() - t0
+            # An upper bound: the run stops earlier once the probe reaches stop_accuracy.
+            eta = format_duration(took / step * (s.max_steps - step))
+            log(f"[sft] step {step}/{s.max_steps} loss {loss.item():.3f} sampled acc {stats.accuracy:.2f} "
+                f"H {stats.entropy:.3f} ({took:.0f}s, eta <= {eta})")
     out = Path(out_dir)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)

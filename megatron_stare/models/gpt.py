@@ -3,7 +3,8 @@
 ``GPTSpec`` holds what Megatron needs to know about a decoder-only transformer (Qwen2/2.5,
 Llama 2/3, Qwen3 all fit). The HF ``config.json`` -> ``GPTSpec`` step lives with each
 architecture's mapping; this module only turns a spec into the local pipeline stage of a
-Megatron model on this rank (local layer spec without transformer-engine, TE spec with it).
+Megatron model on this rank (local layer spec with our norms, ``layer_specs``, without
+transformer-engine; TE spec with it).
 """
 
 from __future__ import annotations
@@ -110,16 +111,15 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
                     tp: int, use_te: Optional[bool] = None):
     """This rank's pipeline stage of the model (weights randomly initialised by Megatron)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megatron_stare.models.layer_specs import local_block_spec
 
     if use_te is None:
         use_te = have_transformer_engine() and torch.cuda.is_available()
+    # The local spec's norms are ours (layer_specs.TorchNorm): they support sequence parallel.
     layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-                  if use_te else
-                  get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"))
+                  if use_te else local_block_spec(config, spec.qk_layernorm))
     rope = dict(rotary_base=int(spec.rotary_base))
     if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "linear":
         # HF divides the frequencies by the factor; Megatron divides the positions (same angle).

@@ -9,8 +9,8 @@ torch or math-verify (reward workers stay light).
 from megatron_stare.rewards.math_verify_reward import (ANSWER_MARKERS, MathVerifyReward, extract_after_marker,
                                                        extract_boxed, extract_final_answer, math_reward)
 from megatron_stare.rewards.pool import HARD_KILL_GRACE_S, RewardFuture, RewardPool, score_one, shape_overlong
-from megatron_stare.rewards.registry import (REWARDS, RewardError, RewardFn, RewardTimeout, deadline,
-                                             get_reward_fn, register_reward)
+from megatron_stare.rewards.lookup import get_reward_fn
+from megatron_stare.rewards.registry import REWARDS, RewardError, RewardFn, RewardTimeout, deadline, register_reward
 from megatron_stare.rewards.synthetic import TASKS, ExactMatch, exact_match, make_task, register_task, write_jsonl
 
 __all__ = ["ANSWER_MARKERS", "HARD_KILL_GRACE_S", "REWARDS", "TASKS", "ExactMatch", "MathVerifyReward",

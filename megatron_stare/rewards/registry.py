@@ -1,21 +1,18 @@
-"""Reward functions: the registry, dotted-path lookup, and the per-call deadline.
+"""Reward functions: the registry and the per-call deadline.
 
 A reward function scores one response::
 
     fn(response_text: str, answer: str, metadata: dict) -> float
 
 ``metadata`` holds the dataset row's other keys. A reward object may also define ``warmup()``
-(heavy imports), which ``RewardPool`` calls once per process before any timed call. Register built-ins with
-``@register_reward("name")``; ``get_reward_fn`` also accepts a user function by dotted path
-(``'pkg.module:function'`` or ``'pkg.module.function'``), so ``reward.fn`` in the config can
-name either. Every lookup problem is one ``RewardError`` line, e.g.::
-
-    reward.fn: cannot import 'foo.bar:baz' (No module named 'foo')
+(heavy imports), which ``RewardPool`` calls once per process before any timed call. Register
+built-ins with ``@register_reward("name")``; ``rewards.lookup.get_reward_fn`` resolves a
+registered name or a dotted path. This module is the bottom of the package: the built-in
+rewards import it, and it imports none of them.
 """
 
 from __future__ import annotations
 
-import importlib
 import signal
 import threading
 from contextlib import contextmanager
@@ -49,41 +46,6 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return deco
-
-
-def get_reward_fn(spec: str) -> RewardFn:
-    """The registered reward ``spec``, or the callable at dotted path ``spec``.
-
-    ``'pkg.mod:attr'`` imports ``pkg.mod`` and takes ``attr`` (which may itself be dotted);
-    ``'pkg.mod.attr'`` splits at the last dot. Raises ``RewardError`` (one line) when the
-    module cannot be imported, lacks the attribute, or the attribute is not callable.
-    """
-    import megatron_stare.rewards  # noqa: F401  (registers the built-ins)
-
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-    elif "." in spec:
-        module_name, _, attr = spec.rpartition(".")
-    else:
-        raise RewardError(f"reward.fn: unknown reward {spec!r}; registered: {', '.join(sorted(REWARDS))}; "
-                          f"or give a function as 'pkg.module:function'")
-    if not module_name or not attr:
-        raise RewardError(f"reward.fn: {spec!r} is not of the form 'pkg.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # any failure while importing user code is the user's to fix
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RewardError(f"reward.fn: cannot import {spec!r} ({msg})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardError(f"reward.fn: cannot import {spec!r} "
-                              f"({getattr(obj, '__name__', type(obj).__name__)!s} has no attribute {part!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardError(f"reward.fn: {spec!r} is not callable (it is a {type(obj).__name__})")
-    return obj
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,18 +6,20 @@ weights over a process group), ``sglang`` / ``sglang-server`` (GPU only). Engine
 their heavy dependencies lazily, so importing this package is cheap.
 """
 
-from .base import (ENGINES, GenerationResult, RolloutEngine, SamplingParams, build_engine,
-                   register_engine, sample_seed)
+from .base import ENGINES, GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
 
 __all__ = ["ENGINES", "GenerationResult", "RolloutEngine", "SamplingParams", "build_engine",
            "register_engine", "sample_seed"]
 
-_MODULES = ("hf_engine", "vllm_engine", "vllm_server", "sglang_engine")
 
+def build_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
+    """Construct the registered engine ``name`` for the HF checkpoint at ``model_path``.
 
-def _load_all() -> None:
-    """Import every engine module so its ``@register_engine`` runs."""
-    import importlib
+    Lives above the engine modules (they import ``base`` to register themselves); importing
+    them here registers every engine, while their heavy dependencies stay lazy inside them.
+    """
+    from . import hf_engine, sglang_engine, vllm_engine, vllm_server  # noqa: F401 - registers them
 
-    for m in _MODULES:
-        importlib.import_module(f"{__name__}.{m}")
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; choose one of {sorted(ENGINES)}")
+    return ENGINES[name](model_path, **kwargs)

@@ -29,8 +29,7 @@ from torch import Tensor
 
 from ..weight_sync.plan import TensorChecksum
 
-__all__ = ["ENGINES", "GenerationResult", "RolloutEngine", "SamplingParams", "build_engine",
-           "register_engine", "sample_seed"]
+__all__ = ["ENGINES", "GenerationResult", "RolloutEngine", "SamplingParams", "register_engine", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +166,3 @@ def register_engine(name: str) -> Callable[[Type[RolloutEngine]], Type[RolloutEn
         ENGINES[name] = cls
         return cls
     return deco
-
-
-def build_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Construct the registered engine ``name`` for the HF checkpoint at ``model_path``."""
-    from . import _load_all  # registers every engine module (imports stay lazy inside them)
-
-    _load_all()
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; choose one of {sorted(ENGINES)}")
-    return ENGINES[name](model_path, **kwargs)

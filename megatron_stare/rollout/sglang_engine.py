@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..weight_sync.plan import dtype_name, iter_buckets
 from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
+from .vllm_server import TRANSPORT_ERRORS, EngineFailure, _free_port
 
 __all__ = ["SGLangEngine", "SGLangServerEngine", "init_named_weight_group", "sglang_rows"]
 
@@ -203,6 +204,11 @@ class SGLangServerEngine(RolloutEngine):
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"SGLang server {path} failed ({e.code}): "
                                f"{e.read().decode(errors='replace')[:2000]}") from None
+        except TRANSPORT_ERRORS as e:
+            # Started elsewhere: no pid or log of ours to show; its own log says why.
+            detail = str(e).splitlines()[0] if str(e) else ""
+            raise EngineFailure(f"sglang-server at {self.base_url} failed during {path} "
+                                f"({type(e).__name__}: {detail}): is it still up? See its own log") from None
         out = json.loads(raw) if raw else None
         if isinstance(out, dict) and out.get("success") is False:
             raise RuntimeError(f"SGLang server {path} refused: {out.get('message')}")
@@ -235,8 +241,6 @@ class SGLangServerEngine(RolloutEngine):
 
     def _ensure_group(self) -> dist.ProcessGroup:
         if self._group is None:
-            from .vllm_server import _free_port
-
             port = _free_port(self.group_host)
             t, box = self._in_thread("/init_weights_update_group", {
                 "master_address": self.group_host, "master_port": port, "rank_offset": 1,

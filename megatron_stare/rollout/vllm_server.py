@@ -15,11 +15,19 @@ issued from a helper thread) while this process broadcasts the HF stream in flat
 
 The server process (and the engine-core process it spawns) runs in its own session, so
 ``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
+
+Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
+weight group by the same timeout. A call that fails on the transport (connection refused or
+reset, a timeout) or a weight push that breaks raises ``EngineFailure``: one line naming the
+server (pid, URL), whether it died (exit code) or stopped answering, and the call, followed by
+the tail of the server's log. A server that dies mid-request closes its sockets, so the error
+comes at once rather than after the timeout.
 """
 
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import logging
 import os
@@ -44,11 +52,19 @@ from ..weight_sync.transport import ProcessGroupSender, SyncStats
 from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
 from .vllm_engine import WORKER_EXTENSION
 
-__all__ = ["VLLMServerEngine"]
+__all__ = ["EngineFailure", "VLLMServerEngine"]
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
+
+
+#: Transport-level failures of an HTTP call (``HTTPError``, a reply, is handled apart).
+TRANSPORT_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError)
+
+
+class EngineFailure(RuntimeError):
+    """A rollout server died or stopped answering; the first line names it."""
 
 
 def _free_port(host: str) -> int:
@@ -123,6 +139,20 @@ class VLLMServerEngine(RolloutEngine):
         with open(self._log.name, errors="replace") as f:
             return "".join(f.readlines()[-n:])
 
+    def failure(self, what: str, err: BaseException) -> EngineFailure:
+        """``EngineFailure`` for ``what`` (a call that failed with ``err``): dead or not answering."""
+        proc, code = self._proc, None
+        if proc is not None:
+            try:  # a server that is going down may take a moment to be reaped
+                code = proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        pid = proc.pid if proc is not None else "shut down"
+        state = (f"died with exit code {code}" if code is not None
+                 else f"did not answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        return EngineFailure(f"vllm-server (pid {pid}, {self.base_url}) {state} during {what}; "
+                             f"its log tail ({self._log.name}):\n{self.log_tail()}")
+
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -148,6 +178,8 @@ class VLLMServerEngine(RolloutEngine):
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"vLLM server {path} failed ({e.code}): "
                                f"{e.read().decode(errors='replace')[:2000]}") from None
+        except TRANSPORT_ERRORS as e:
+            raise self.failure(path.split("?")[0], e) from None
         return json.loads(raw) if raw else None
 
     def _rpc(self, method: str, *args: str) -> list:
@@ -228,6 +260,10 @@ class VLLMServerEngine(RolloutEngine):
         receiver.start()
         try:
             self.last_sync = send(ProcessGroupSender(self._group, 0, device))
+        except RuntimeError as e:  # the group's collective broke: most likely the server is gone
+            receiver.join()
+            raise (box["error"] if isinstance(box.get("error"), EngineFailure)
+                   else self.failure("the weight push", e)) from e
         finally:
             receiver.join()
         if "error" in box:

@@ -3,7 +3,8 @@
 ``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, dp = world/(tp*pp)), the log-prob
 pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of mixed
 prompt/response lengths and mixed advantages, and returns what must be layout-independent: the
-losses, grad norms, metrics, selected token keys and the updated canonical weights.
+losses, grad norms, metrics, selected token keys and the updated canonical weights (fp32); and
+the micro-batch widths this rank ran. Knobs: sequence parallel, the distributed optimizer, bf16.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ import random
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config import OptimizerConfig, ParallelConfig
-from megatron_stare.models.sharding import gather_canonical, load_canonical
+from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ParallelLayout, init_distributed
-from megatron_stare.testing.megatron_tiny import TINY_SPEC, seeded_canonical
+from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
 from megatron_stare.types import Sample
 
 
@@ -42,38 +42,50 @@ def synthetic_samples(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = T
 
 
 def gather_full_model(actor) -> Dict[str, torch.Tensor]:
-    """Canonical weights of the whole model on every rank (test-sized models only)."""
-    g = actor.groups
-    mine = dict(gather_canonical(actor.module, g.tp_group, g.layout.tp))
-    if g.layout.pp == 1:
-        return mine
-    parts = [None] * g.layout.pp
-    dist.all_gather_object(parts, mine, group=g.pp_group)
-    full: Dict[str, torch.Tensor] = {}
-    for p in parts:
-        full.update(p)
-    return full
+    """Canonical fp32 weights of the whole model on every rank (test-sized models only)."""
+    return gather_full_weights(actor.module, actor.groups)
 
 
-def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str = "stare",
-                   target_entropy: float = 100.0, variant: str = "C2", mini_batches: int = 1,
-                   max_rows=None, micro_batch_tokens: int = 4096, lr: float = 1e-5,
-                   dtype=torch.float32, distributed_optimizer: bool = False,
-                   poison_advantage: bool = False):
-    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
-    groups = init_distributed(lay, seed=1234)
+def case_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool = False,
+                sequence_parallel: bool = False):
+    """Process groups of the layout (tp, pp, dp = world/(tp*pp)); once per process."""
+    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer,
+                                    sequence_parallel=sequence_parallel)
+    return init_distributed(lay, seed=1234)
+
+
+def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
+                     variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
+                     lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0):
+    """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
+    ``seeded_canonical(.., weights_seed)``; sequence parallel and the distributed optimizer
+    follow the layout."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
+    lay = groups.layout
     algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0,
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
-    settings = ActorSettings(parallel=ParallelConfig(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens),
+    settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, micro_batch_tokens=micro_batch_tokens,
+                                                     sequence_parallel=lay.sequence_parallel,
+                                                     distributed_optimizer=lay.distributed_optimizer),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows)
 
     def load(stage, g):
-        load_canonical(stage, lambda n, s: seeded_canonical(n, s).to(dtype), g.tp_rank, g.layout.tp)
+        load_canonical(stage, lambda n, s: seeded_canonical(n, s, weights_seed).to(dtype), g.tp_rank,
+                       g.layout.tp)
 
-    actor = MegatronActor(TINY_SPEC, groups, settings, load)
+    return MegatronActor(TINY_SPEC, groups, settings, load), algo
+
+
+def run_actor_case(rank: int, world: int, tp: int, pp: int, *, mini_batches: int = 1,
+                   poison_advantage: bool = False, distributed_optimizer: bool = False,
+                   sequence_parallel: bool = False, **knobs):
+    """One log-prob pass, controller update and STARE update (see the module docstring);
+    ``knobs`` go to ``build_case_actor``."""
+    groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer,
+                         sequence_parallel=sequence_parallel)
+    actor, algo = build_case_actor(groups, **knobs)
     samples = synthetic_samples()
     if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
         samples[3].advantage = float("nan")
@@ -86,6 +98,6 @@ def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str 
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
-            "skipped": res.skipped_steps,
+            "skipped": res.skipped_steps, "widths": [mb.shape[1] for mini in batches for mb in mini],
             "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
             "weights": gather_full_model(actor)}

@@ -13,18 +13,14 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable, List
 
 import torch.multiprocessing as mp
 
+from megatron_stare.rendezvous import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_on_ranks"]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
@@ -64,6 +60,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        # Megatron's checkpoint writer starts a multiprocessing manager that nothing shuts
+        # down; left alone it outlives this rank (an orphan holding the test's pipes).
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.terminate()
 
 
 class RankFailure(RuntimeError):

@@ -3,6 +3,7 @@ through torchrun (2 ranks, TP=2, the ``hf`` engine), then the figure and the sum
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,11 @@ def test_demo_quick(tmp_path):
     assert set(summary["runs"]) == {"GRPO", "STARE"}
     assert summary["start"]["target_entropy"] > 0
     assert "target entropy" in proc.stdout and "STARE" in proc.stdout
+    # Long work shows progress on the console (not only in the logs): the warm start's probes
+    # and every RL step here (log_every = steps // 20 = 1) print a line with an ETA.
+    console = proc.stdout.splitlines()
+    assert any(re.match(r"\[demo\] \[sft\] step 5/10 .*eta <= \d+", ln) for ln in console), proc.stdout
+    for label in ("GRPO", "STARE"):
+        steps = [int(m.group(1)) for ln in console
+                 if (m := re.match(rf"\[demo\] {label} step (\d+)/3, eta \d+(m\d\ds)?s? \|", ln))]
+        assert steps == [1, 2, 3], (label, proc.stdout)

@@ -1,4 +1,9 @@
-"""The launch scripts' --dry-run on CPU: the plan prints, exit codes hold, scripts match the YAMLs.
+"""The launch scripts on CPU: --dry-run prints the plan, exit codes hold, scripts match the YAMLs,
+and a training launch that cannot meet its nodes or has a bad config stops before torchrun.
+
+The scripts run with a PATH whose ``python``/``python3`` is not the project's environment (a
+shim to a torch-less system python, or one that refuses to run), as after the README's setup:
+they must use the project's ``.venv`` (launch/common.sh), never PATH's python.
 
 The too-small (exit 3) case runs in-process in tests/unit/test_plan.py; each script here costs a
 torch import, so only the scripts' own paths run as subprocesses.
@@ -6,8 +11,11 @@ torch import, so only the scripts' own paths run as subprocesses.
 
 import os
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,19 +29,53 @@ SCRIPTS = {
     "tiny": ("launch/train_tiny_cpu.sh", "examples/tiny_cpu.yaml"),
 }
 _ENV_KEYS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "GPU_MEM_GB", "MODEL_DIR", "DATA_DIR",
-             "RUN_DIR", "TINY_DIR", "NPROC", "MASTER_ADDR", "MASTER_PORT")
+             "RUN_DIR", "TINY_DIR", "NPROC", "MASTER_ADDR", "MASTER_PORT", "MASTER_WAIT_S", "VENV", "PYTHON")
 
 
-def _run(script, *args, **env):
+def _torchless_python():
+    """A system python3 without torch, or None."""
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(cand) and subprocess.run(
+                [cand, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"],
+                capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def shim_path(tmp_path_factory):
+    """A PATH whose python/python3 is not the project's environment."""
+    d = tmp_path_factory.mktemp("shim")
+    target = _torchless_python()
+    body = f'exec {target} "$@"' if target else 'echo "shim python: not the project environment" >&2; exit 97'
+    for name in ("python", "python3"):
+        (d / name).write_text(f"#!/bin/sh\n{body}\n")
+        (d / name).chmod(0o755)
+    return f"{d}:{os.environ['PATH']}"
+
+
+def _env(shim_path, **env):
     full = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS and not k.startswith("SLURM_")}
-    full.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    full.update(PATH=shim_path, OMP_NUM_THREADS="1")
+    if not (ROOT / ".venv" / "bin" / "python").exists():  # tests run from another environment
+        full["VENV"] = sys.prefix
     full.update({k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", script, *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=60)
+    return full
 
 
-def test_32b_dry_run_fits_on_4_nodes():
-    res = _run(SCRIPTS["32b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
+@pytest.fixture
+def run(shim_path):
+    def _run(script, *args, cwd=ROOT, **env):
+        path = cwd / script
+        cmd = [str(path)] if os.access(path, os.X_OK) else ["bash", str(path)]  # as the README runs them
+        return subprocess.run([*cmd, *args], cwd=cwd, env=_env(shim_path, **env), capture_output=True,
+                              text=True, timeout=60)
+    return _run
+
+
+def test_32b_dry_run_fits_on_4_nodes(run):
+    """The README's line, as written, with PATH's python unable to run the project."""
+    res = run(SCRIPTS["32b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
@@ -41,34 +83,157 @@ def test_32b_dry_run_fits_on_4_nodes():
     print(out)
 
 
-def test_bad_config_is_one_line_exit_2():
-    res = _run(SCRIPTS["32b"][0], "--dry-run", "parallel.tpp=8")
+def test_bad_config_is_one_line_exit_2(run):
+    res = run(SCRIPTS["32b"][0], "--dry-run", "parallel.tpp=8")
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "unknown key 'parallel.tpp'" in res.stderr
 
 
 @pytest.mark.parametrize("name,env", [("7b", {}), ("tiny", {"TINY_DIR": "/nonexistent/tiny"})])
-def test_other_scripts_dry_run(name, env):
-    res = _run(SCRIPTS[name][0], "--dry-run", **env)
+def test_other_scripts_dry_run(run, name, env):
+    res = run(SCRIPTS[name][0], "--dry-run", **env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Peak:" in res.stdout and "fits" in res.stdout
 
 
-def test_slurm_maps_its_environment():
+def test_slurm_maps_its_environment(run):
     """Outside srun the job script hands --dry-run/--print-cmd to the 32B script, SLURM env mapped."""
-    res = _run("launch/slurm_32b.sbatch", "--print-cmd", SLURM_JOB_NUM_NODES=2, SLURM_GPUS_ON_NODE=4)
+    res = run("launch/slurm_32b.sbatch", "--print-cmd", SLURM_JOB_NUM_NODES=2, SLURM_GPUS_ON_NODE=4)
     assert res.returncode == 0, res.stderr
     assert "--nnodes 2 " in res.stdout and "--nproc-per-node 4 " in res.stdout
+    # No MASTER_ADDR yet (the job sets it from its first host): the command leaves it to the shell.
+    assert '--master-addr "$MASTER_ADDR" ' in res.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_script_overrides_agree_with_yaml(name):
+def test_script_overrides_agree_with_yaml(run, name):
     """With default paths, a script's grouped flags restate its YAML exactly (no drift)."""
     script, yaml = SCRIPTS[name]
-    res = _run(script, "--print-cmd")
+    res = run(script, "--print-cmd")
     assert res.returncode == 0, res.stderr
     cmd = shlex.split(res.stdout)
     assert cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1] == "megatron_stare.train"
     overrides = cmd[cmd.index("--config") + 2:]
     assert cmd[cmd.index("--config") + 1] == yaml and overrides
     assert to_dict(load_config(str(ROOT / yaml), overrides)) == to_dict(load_config(str(ROOT / yaml)))
+
+
+def test_scripts_use_the_project_environment(run):
+    """--print-cmd shows the interpreter the run would use: the venv's, not PATH's python."""
+    res = run(SCRIPTS["tiny"][0], "--print-cmd")
+    assert res.returncode == 0, res.stderr
+    expected = str(ROOT / ".venv") if (ROOT / ".venv" / "bin" / "python").exists() else sys.prefix
+    assert shlex.split(res.stdout)[0] == str(Path(expected) / "bin" / "python")
+
+
+def test_missing_environment_is_one_line(run, tmp_path):
+    res = run(SCRIPTS["32b"][0], "--dry-run", VENV=tmp_path / "nope")
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1
+    assert res.stderr.startswith(f"error: VENV={tmp_path / 'nope'} has no bin/python")
+    # No .venv at all (a copy of the scripts elsewhere) and PATH's python lacks torch.
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "launch", copy / "launch")
+    res = run("launch/train_32b_longcot.sh", "--dry-run", cwd=copy, VENV="")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "has no torch; run scripts/bootstrap.sh" in res.stderr
+
+
+# ------------------------------------------------------------------------------ training preflight
+def _host_ip():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def _fails_fast(res, elapsed, needle, limit=30):
+    assert res.returncode == 2 and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
+    assert elapsed < limit, elapsed  # not torchrun's 600 s rendezvous wait
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({}, "error: rendezvous: NNODES=4 needs MASTER_ADDR"),
+    ({"MASTER_ADDR": "no-such-host.invalid"}, "error: rendezvous: MASTER_ADDR=no-such-host.invalid does not resolve"),
+    ({"MASTER_ADDR": "127.0.0.1"}, "is a loopback address"),
+])
+def test_multi_node_launch_without_a_usable_master_fails_fast(run, env, needle):
+    t0 = time.monotonic()
+    res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, **env)
+    _fails_fast(res, time.monotonic() - t0, needle)
+
+
+def test_unreachable_master_fails_after_the_bounded_wait(run):
+    ip = _host_ip()
+    if ip is None:
+        pytest.skip("no non-loopback address on this host")
+    with socket.socket() as s:  # a port nobody listens on: node 0 never came up
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, MASTER_ADDR=ip, MASTER_PORT=port, MASTER_WAIT_S=2)
+    elapsed = time.monotonic() - t0
+    _fails_fast(res, elapsed, f"port {port} is not reachable from this node after 2s")
+    assert elapsed >= 2
+    # Node 0 up: the rendezvous check passes and the config preflight runs next, still before
+    # torchrun; on this CPU machine without the 32B model, the config is not runnable: one line.
+    with socket.create_server((ip, 0)) as server:
+        res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, MASTER_ADDR=ip, MASTER_PORT=server.getsockname()[1])
+    _fails_fast(res, 0, "error: config: ")
+    assert "rendezvous" not in res.stderr
+
+
+# ------------------------------------------------------------------------------ preemption relay
+_FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> {log}
+trap 'echo "srun got USR1" >> {log}; exit {code}' USR1
+trap 'echo "srun got TERM" >> {log}; exit {code}' TERM
+echo ready >> {log}
+[[ {code} == 1 ]] && exit 1
+while true; do sleep 0.05; done
+"""
+_FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> {log}
+if [[ $1 == show ]]; then echo node0; fi
+"""
+
+
+@pytest.mark.parametrize("signal_name,code", [("USR1", 75), (None, 1)])
+def test_slurm_job_relays_the_warning_and_requeues(shim_path, tmp_path, signal_name, code):
+    """The batch shell (SLURM signals it alone: --signal=B:USR1@...) relays SIGUSR1 to srun and,
+    when the run exits 75 (preempted after saving), requeues the job; a plain failure does not.
+    srun and scontrol are stand-ins that record their calls (srun's forwarding to its tasks is
+    SLURM's; the launch shell's relay into torchrun is tested end to end in test_train_resume)."""
+    import signal
+
+    fake, log = tmp_path / "bin", tmp_path / "calls.txt"
+    fake.mkdir()
+    for name, body in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+        (fake / name).write_text(body.format(log=log, code=code))
+        (fake / name).chmod(0o755)
+    env = _env(f"{fake}:{shim_path}", SLURM_JOB_ID=42, SLURM_JOB_NODELIST="node0", SLURM_JOB_NUM_NODES=1)
+    sbatch = ROOT / "launch" / "slurm_32b.sbatch"
+    assert "#SBATCH --signal=B:USR1@" in sbatch.read_text()
+    proc = subprocess.Popen(["bash", str(sbatch)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.is_file() and "ready" in log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() in (None, code)
+            time.sleep(0.05)
+        if signal_name:
+            time.sleep(0.2)  # the trap is set right after srun starts
+            proc.send_signal(getattr(signal, f"SIG{signal_name}"))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stand-in srun, should the job shell be gone
+        except ProcessLookupError:
+            pass
+    calls = log.read_text()
+    assert proc.returncode == code, out + err + calls
+    assert ("srun got USR1" in calls) == bool(signal_name)
+    assert ("scontrol requeue 42" in calls) == (code == 75), calls

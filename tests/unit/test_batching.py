@@ -1,10 +1,11 @@
 """Micro-batch planning: whole groups per mini-batch, DP balance, token budget, alignment of
-targets and loss mask, and Megatron's load-balanced context-parallel slicing."""
+targets and loss mask, padding to the sequence-parallel multiple, and Megatron's load-balanced
+context-parallel slicing."""
 
 import torch
 
 from megatron_stare.batching import (assign_data_parallel, collate, cp_slice, pack_micro_batches,
-                                     split_mini_batches)
+                                     sequence_pad_multiple, split_mini_batches)
 from megatron_stare.testing.actor_case import synthetic_samples
 from megatron_stare.types import KEY_STRIDE
 
@@ -48,3 +49,23 @@ def test_cp_slices_partition_and_reassemble():
     keys = sorted(k for part in parts for k in part.token_keys[part.loss_mask].tolist())
     assert keys == sorted(full.token_keys[full.loss_mask].tolist())
     assert parts[1].position_ids[0, 0].item() == chunk  # global positions survive the slicing
+
+
+def test_sequence_pad_multiple():
+    assert sequence_pad_multiple(8) == 1  # TP without sequence parallel splits no sequence
+    assert sequence_pad_multiple(8, sequence_parallel=True) == 8
+    assert sequence_pad_multiple(1, cp=2) == 4
+    assert sequence_pad_multiple(8, cp=2, sequence_parallel=True) == 32
+
+
+def test_padding_to_the_multiple_is_masked_and_leaves_real_tokens_alone():
+    samples = synthetic_samples(groups=2, n=2)
+    plain = collate(samples, with_engine_logp=False)
+    width = plain.loss_mask.shape[1]
+    multiple = 8 if width % 8 else 16  # make sure some padding is added
+    padded = collate(samples, pad_multiple=multiple)
+    assert padded.loss_mask.shape[1] % multiple == 0 and padded.loss_mask.shape[1] > width
+    for name in ("input_ids", "position_ids", "targets", "loss_mask", "token_keys"):
+        assert torch.equal(getattr(padded, name)[:, :width], getattr(plain, name)), name
+    assert not padded.loss_mask[:, width:].any() and not padded.token_keys[:, width:].any()
+    assert torch.equal(padded.position_ids[0], torch.arange(padded.loss_mask.shape[1]))

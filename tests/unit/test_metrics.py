@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_stare.config import LoggingConfig
-from megatron_stare.metrics import (MetricsError, MetricsLogger, Timer, format_progress, plot_runs,
-                                    read_metrics)
+from megatron_stare.metrics import (MetricsError, MetricsLogger, Timer, format_duration, format_progress,
+                                    plot_runs, read_metrics)
 
 FULL = {"time/rollout": 3.14, "time/reward": 0.21, "time/logprob": 1.0, "time/update": 2.2, "time/sync": 0.4,
         "perf/tokens_per_s": 812.4, "stare/entropy": 0.4123, "stare/gate": 0.0, "reward/accuracy": 0.531}
@@ -77,6 +77,19 @@ def test_progress_line():
     assert line == ("step 12/100 | rollout 3.1s reward 0.2s logprob 1.0s update 2.2s sync 0.4s | 812 tok/s "
                     "| H 0.41 gate off | acc 0.53")
     assert format_progress(3, None, {"stare/gate": 1, "reward/accuracy": 1.0}) == "step 3 | gate on | acc 1.00"
+    assert format_progress(12, 100, {}, eta_s=252.4) == "step 12/100, eta 4m12s"
+    assert [format_duration(s) for s in (0, 42.4, 3599, 3600 * 3 + 300)] == ["0s", "42s", "59m59s", "3h05m"]
+
+
+def test_progress_line_has_an_eta_from_the_pace_so_far(tmp_path, capsys, monkeypatch):
+    """Resumed at step 5 of 20; steps take 2 s each: after step 6 (2 steps, 4 s), 14 steps are left."""
+    clock = iter([100.0, 102.0, 104.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    cfg = LoggingConfig(dir=str(tmp_path), tensorboard=False, log_every=1)
+    with MetricsLogger(cfg, rank=0, total_steps=20, start_step=5) as logger:
+        logger.log(5, {})
+        logger.log(6, {})
+    assert capsys.readouterr().out.splitlines() == ["step 5/20, eta 30s", "step 6/20, eta 28s"]
 
 
 def test_timer_collects_phases():

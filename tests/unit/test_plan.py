@@ -129,6 +129,15 @@ def test_main_exit_codes(capsys):
         (["--world-size", 32, "parallel.tpp=8"], "did you mean 'parallel.tp'"),
         (["--world-size", 32, "rollout.max_new_tokens=200000"], "max_position_embeddings"),
         (["--world-size", 32, "rollout.tp=16"], "rollout.tp=16"),
+        # The 32B layout against the model's real shape (40 heads, 8 KV heads, 64 layers, FFN
+        # 27648), with model.path absent here: the shape comes from --hf-config.
+        (["--world-size", 64, "parallel.tp=16"], "parallel.tp=16 does not divide the 40 attention heads"),
+        (["--world-size", 48, "parallel.pp=3"], "parallel.pp=3 does not divide the 64 layers"),
+        (["--world-size", 40, "parallel.tp=5", "parallel.pp=4", "rollout.tp=5", "parallel.sequence_parallel=false"],
+         "parallel.tp=5 does not divide the 8 key/value heads"),
+        (["--world-size", 32, "rollout.tp=32"], "rollout.tp=32 does not divide the 40 attention heads"),
+        (["--world-size", 32, "parallel.micro_batch_tokens=16384"], "parallel.micro_batch_tokens=16384 is below"),
+        (["--world-size", 32, "algorithm.stare.w=0.95"], "algorithm.stare.w must be >= 1"),
     ]:
         rc, out, err = _run(capsys, ["--config", YAML32, "--hf-config", QWEN32] + bad)
         assert rc == 2 and out == "" and needle in err, (bad, err)

@@ -238,3 +238,30 @@ def test_server_adapter_distributed_update_over_gloo(fake_server):
         eng.shutdown()
 
 
+
+
+def test_server_adapter_names_a_dead_server():
+    """A server gone mid-request (the connection drops without a reply) or before it (refused):
+    one line naming the server and the call, at once."""
+    import socket
+    import threading
+
+    from megatron_stare.rollout.vllm_server import EngineFailure
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def drop_one():  # reads the request, then dies without answering
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    t = threading.Thread(target=drop_one)
+    t.start()
+    eng = SGLangServerEngine(base_url=url, request_timeout_s=30)
+    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /generate \(RemoteDisconnected"):
+        eng.generate([[3, 4]], SamplingParams(max_new_tokens=2))
+    t.join()
+    listener.close()
+    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /flush_cache \(URLError: "):
+        eng._post("/flush_cache")

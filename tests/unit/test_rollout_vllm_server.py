@@ -77,3 +77,57 @@ def test_server_sleep_is_reported_on_cpu(server, caplog):
     with caplog.at_level("WARNING"):
         assert eng.sleep() is False
     assert "frees nothing" in caplog.text
+
+
+def _running_requests(base_url: str) -> float:
+    """The server's ``vllm:num_requests_running`` gauge (0 if it cannot say)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
+
+
+def test_server_killed_mid_rollout_names_itself(server):
+    """Last in this module: it kills the module's server (process group, SIGKILL) while requests
+    are running. The rollout fails at once with one line naming the server (pid, URL, exit code,
+    the call) and the tail of its log; a later call fails the same way, without waiting."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron_stare.rollout.vllm_server import EngineFailure
+
+    eng = server[0]
+    pid = eng._proc.pid
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=3)
+    box = {}
+
+    def rollout():
+        try:
+            eng.generate(PROMPTS * 8, params)
+        except BaseException as e:  # noqa: BLE001 - examined by the test
+            box["error"] = e
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _running_requests(eng.base_url) == 0:  # mid-rollout: the server is generating
+        assert t.is_alive() and time.monotonic() < deadline, "the rollout ended before the kill"
+        time.sleep(0.01)
+    os.killpg(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(60)
+    assert not t.is_alive() and time.monotonic() - killed < 30  # not the 600 s request timeout
+    err = box.get("error")
+    assert isinstance(err, EngineFailure), repr(err)
+    first, tail = str(err).split("\n", 1)
+    assert f"vllm-server (pid {pid}, {eng.base_url}) died with exit code -9 during /v1/completions" in first
+    assert tail.strip() and tail.strip().splitlines()[-1] in eng.log_tail()
+    with pytest.raises(EngineFailure, match=rf"pid {pid}.*died with exit code -9 during /v1/completions"):
+        eng.generate(PROMPTS[:1], GREEDY)

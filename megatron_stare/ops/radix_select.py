@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -192,10 +193,12 @@ class Problem:
             oks.append(part[at:].view(self.ok.dtype)[:m])
         self.finish(torch.cat(oks), torch.cat(keys) if self.keys is not None else None)
 
-    def finish(self, ok: Tensor, keys: Optional[Tensor], vkey: Optional[int] = None) -> None:
-        """Resolve the threshold from ALL ``n`` candidates ``ok [n]``, ``keys`` (``n`` items in
-        any shape: flattened only when a tie must be broken) (exact);
-        ``vkey``: their ``need``-th largest order key, when the caller has it already."""
+    def finish(self, ok: Array, keys: Optional[Array], vkey: Optional[int] = None) -> None:
+        """Resolve the threshold from ALL ``n`` candidates: order keys ``ok`` and token keys
+        ``keys``, host tensors or arrays of ``n`` items in any shape (exact); ``vkey``: their
+        ``need``-th largest order key, when the caller has it already. Runs in numpy: at a few
+        thousand items torch's per-call dispatch costs more than the work itself."""
+        ok = host(ok)
         if vkey is None:
             vkey = kth_key(ok, self.need)
         if keys is None:
@@ -203,28 +206,37 @@ class Problem:
             return
         # Outside the key phase the candidates hold every item at the value: when the need-th
         # best is the last item at or above it, every tied item is in (one count decides).
-        if not self.key_phase and int((ok >= vkey).sum()) == self.need:
+        if not self.key_phase and int(np.count_nonzero(ok >= vkey)) == self.need:
             self.result = (vkey, INT64_MAX)
             return
+        keys = host(keys)
         tied = ok == vkey
-        take = self.need - int((ok > vkey).sum())
-        keys = keys.reshape(-1)
+        take = self.need - int(np.count_nonzero(ok > vkey))
         # The take-th smallest key among the tied items wins last; the others are masked to
         # INT64_MAX, which a real key ties only in a case settled by the exact count below.
-        tk = torch.where(tied, keys, INT64_MAX)
-        key = int(torch.kthvalue(tk, take).values)
+        tk = np.where(tied, keys, INT64_MAX)
+        key = int(np.partition(tk, take - 1)[take - 1])
         if key == INT64_MAX:
             tk = keys[tied]
-        if int((tk <= key).sum()) != take:  # duplicates of that key, split by the threshold
-            self.duplicates(int((tk == key).sum()), vkey, key)
+        if int(np.count_nonzero(tk <= key)) != take:  # duplicates of that key, split
+            self.duplicates(int(np.count_nonzero(tk == key)), vkey, key)
         self.result = (vkey, key)
 
 
-def kth_key(ok: Tensor, need: int) -> int:
-    """The ``need``-th largest of ``ok [n]`` (``1 <= need <= n``)."""
-    if ok.dtype != torch.int64:
-        ok = ok.long()
-    return int(torch.kthvalue(ok, ok.numel() - need + 1).values)
+Array = Union[Tensor, np.ndarray]
+
+
+def host(x: Array) -> np.ndarray:
+    """A flat numpy view (or copy, when strided) of a host tensor or array."""
+    return (x.numpy() if isinstance(x, Tensor) else x).reshape(-1)
+
+
+def kth_key(ok: Array, need: int) -> int:
+    """The ``need``-th largest of the ``n`` order keys ``ok`` (``1 <= need <= n``; a host
+    tensor or array)."""
+    a = host(ok)
+    i = a.size - need
+    return int(np.partition(a, i)[i])
 
 
 def run(problems: List[Problem], group, bits: int, gather_max: int) -> None:

@@ -57,6 +57,7 @@ from megatron_stare.ops.radix_select import (
     INT64_MIN,
     Problem,
     gather_rows,
+    host,
     key_to_float,
     kth_key,
     order_keys,
@@ -156,10 +157,11 @@ def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int, world: 
                                                                             minlength=n_bins)
         row[8] = m = sent_ok.numel()
         if m:
-            msg[N_STATS : N_STATS + m] = sent_ok
+            # narrow + copy_: a tenth of the dispatch cost of slice assignment
+            msg.narrow(0, N_STATS, m).copy_(sent_ok)
             if keys is not None:
-                msg[N_STATS + eager : N_STATS + eager + m] = sent_keys
-    msg[:N_STATS] = torch.tensor(row)  # Python ints: int64 without a conversion
+                msg.narrow(0, N_STATS + eager, m).copy_(sent_keys)
+    msg.narrow(0, 0, N_STATS).copy_(torch.tensor(row))  # Python ints: int64, no conversion
     return _Local(okeys, digit, msg)
 
 
@@ -199,7 +201,7 @@ def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, wh
         [loc.msg.numel() for loc in local], dim=1)  # per problem: [world, message]
     out = []
     for (_, keys, k), loc, block in zip(items, local, blocks):
-        rows = block[:, :N_STATS].tolist()
+        rows = block.narrow(1, 0, N_STATS).tolist()
         n, k = _check(rows, keys, k, who)
         width = max(max(row[3] for row in rows), 32)  # 0: no values anywhere (then k == 0)
         okeys, digit = loc.okeys, loc.digit
@@ -212,10 +214,10 @@ def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, wh
         if k == 0:
             continue
         m = max(r[8] for r in rows)  # slots in use; the rest is INT64_MIN, never among the best
-        ok = block[:, N_STATS : N_STATS + m]
-        tk = None if keys is None else block[:, N_STATS + eager : N_STATS + eager + m]
+        ok = block.narrow(1, N_STATS, m)
+        tk = None if keys is None else block.narrow(1, N_STATS + eager, m)
         if sum(r[8] for r in rows) >= k:
-            flat = ok.reshape(-1)
+            flat = host(ok)
             vkey = kth_key(flat, k)
             if all(vkey > r[7] for r in rows if r[0] > r[8]):  # no unsent item reaches it
                 p.finish(flat, tk, vkey)

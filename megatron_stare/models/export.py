@@ -35,6 +35,7 @@ received per rank per sync (``--dry-run`` prints it).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple, Union
 
@@ -61,6 +62,10 @@ class ExportStats:
     max_tensor_bytes: int = 0
     peak_live_bytes: int = 0
     in_flight: int = 0  # bytes of the tensor being converted right now (and its HF pieces)
+    gather_seconds: float = 0.0  # in the TP all-gathers and unsharding (this stage)
+    convert_seconds: float = 0.0  # HF renaming/splitting and dtype casts
+    pack_seconds: float = 0.0  # copying HF tensors into the flat buffers
+    handoff_seconds: float = 0.0  # receiving other stages' buckets (the PP hand-off, on dst)
 
     def live(self, nbytes: int) -> None:
         self.peak_live_bytes = max(self.peak_live_bytes, nbytes)
@@ -88,8 +93,17 @@ def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional
                    stats: ExportStats) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered one canonical tensor at a time (collective)."""
     mapping = mapping_for(spec)
-    for canon, full in gather_canonical(model, groups.tp_group, groups.layout.tp):
+    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp)
+    while True:
+        t0 = time.perf_counter()
+        item = next(gathered, None)
+        t1 = time.perf_counter()
+        stats.gather_seconds += t1 - t0
+        if item is None:
+            return
+        canon, full = item
         pieces = [(n, t if dtype is None else t.to(dtype)) for n, t in mapping.to_hf(canon, full)]
+        stats.convert_seconds += time.perf_counter() - t1
         yield from _accounted(pieces, full, stats)
 
 
@@ -109,11 +123,31 @@ def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[
         * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1)
         for local, _, p in local_params(model))
     stats.in_flight = 0
-    for bucket in pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
-                              size_bound=bound, on_copy=stats.copied):
+    buckets = pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
+                          size_bound=bound, on_copy=stats.copied)
+    while True:
+        # Time in pack_stream that is not the producer's (gather, convert) is packing.
+        before = stats.gather_seconds + stats.convert_seconds
+        t0 = time.perf_counter()
+        bucket = next(buckets, None)
+        stats.pack_seconds += time.perf_counter() - t0 - (stats.gather_seconds + stats.convert_seconds - before)
+        if bucket is None:
+            return
         stats.packed(bucket)
         yield bucket
         del bucket
+
+
+def _received(link, dev, staging: StagingBuffer, stats: ExportStats) -> Iterator[FlatBucket]:
+    """Another stage's buckets as they arrive over ``link`` (the PP hand-off)."""
+    while True:
+        t0 = time.perf_counter()
+        bucket = recv_bucket(link, dev, staging)
+        stats.handoff_seconds += time.perf_counter() - t0
+        if bucket is None:
+            return
+        yield bucket
+        del bucket  # hold no bucket while the next one arrives
 
 
 def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: int = 512 << 20,
@@ -150,9 +184,7 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
                 if link is not None:
                     send_end(link, dev)
             else:
-                while (bucket := recv_bucket(link, dev, staging)) is not None:
-                    yield bucket
-                    del bucket
+                yield from _received(link, dev, staging, stats)
         return
 
     if dst not in group_ranks(groups.mp_group):
@@ -171,6 +203,4 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
         if s == groups.pp_rank:
             yield from local
         else:
-            while (bucket := recv_bucket(recv_link(pp_ranks[s]), dev, staging)) is not None:
-                yield bucket
-                del bucket
+            yield from _received(recv_link(pp_ranks[s]), dev, staging, stats)

@@ -51,6 +51,8 @@ class SyncStats:
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Part of ``seconds`` spent copying tensors into flat buffers (sender only)."""
+    send_seconds: float = 0.0
+    """Part of ``seconds`` spent in (waiting for) the broadcasts (sender only)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -88,11 +90,14 @@ class ProcessGroupSender:
         try:
             for bucket in buckets:
                 metas, nbytes, materialize = self._plan(bucket)
+                ts = time.perf_counter()
                 wire.send_header(link, metas, nbytes, self.device)
                 tp = time.perf_counter()
                 buffer = materialize()  # the previous bucket is gone: peak is one bucket
-                stats.pack_seconds += time.perf_counter() - tp
+                td = time.perf_counter()
+                stats.pack_seconds += td - tp
                 wire.send_data(link, buffer, self.device)
+                stats.send_seconds += (tp - ts) + (time.perf_counter() - td)
                 stats.num_buckets += 1
                 stats.num_tensors += len(metas)
                 stats.bytes += sum(m.nbytes for m in metas)

@@ -46,8 +46,9 @@ from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import full_shape, gather_canonical, local_params
 from megatron_stare.parallel import ParallelGroups, group_ranks
-from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, pack_stream,
-                                        recv_bucket, recv_link, send_bucket, send_end, send_link)
+from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,
+                                        recv_bucket, recv_link, send_bucket, send_bucket_async, send_end,
+                                        send_link)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional
                    stats: ExportStats) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered one canonical tensor at a time (collective)."""
     mapping = mapping_for(spec)
-    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp)
+    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp, reuse=True)
     while True:
         t0 = time.perf_counter()
         item = next(gathered, None)
@@ -124,7 +125,7 @@ def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[
         for local, _, p in local_params(model))
     stats.in_flight = 0
     buckets = pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
-                          size_bound=bound, on_copy=stats.copied)
+                          size_bound=bound, on_copy=stats.copied, staging=StagingBuffer(groups.device, slots=2))
     while True:
         # Time in pack_stream that is not the producer's (gather, convert) is packing.
         before = stats.gather_seconds + stats.convert_seconds
@@ -169,8 +170,8 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
     local = _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats)
 
-    # Received buckets land in one reused buffer (once the consumer let go of the last one).
-    staging = StagingBuffer(dev)
+    # Received buckets land in two reused buffers (one may still be in flight to an engine).
+    staging = StagingBuffer(dev, slots=2)
     if dst == "all":
         for s in range(pp):
             link = group_link(groups.pp_group, dist.get_group_rank(groups.pp_group, pp_ranks[s])) \
@@ -194,9 +195,14 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
             pass
         return
     if me != dst:
+        in_flight = None  # bucket k travels to dst while bucket k+1 is gathered and packed
         for bucket in local:
-            send_bucket(send_link(dst), bucket, dev)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = send_bucket_async(send_link(dst), isend_link(dst), bucket, dev)
             del bucket
+        if in_flight is not None:
+            in_flight.wait()
         send_end(send_link(dst), dev)
         return
     for s in range(pp):

@@ -178,7 +178,7 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
             out = sync(est)
             out["total"] = time.perf_counter() - t0
             out.update(gather=est.gather_seconds, handoff=est.handoff_seconds, convert=est.convert_seconds,
-                       pack=est.pack_seconds + out["pack"])  # the exporter's packing (+ the sender's: none)
+                       pack=est.pack_seconds + out.get("pack", 0.0))  # the exporter's packing (+ the sender's: none)
             return out
         if cmd == "time":
             t0 = time.perf_counter()

@@ -297,7 +297,8 @@ def pack_stream(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int, 
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    remaining = size_bound if size_bound is not None else bucket_bytes
+    # Without a bound, every buffer is a full bucket (not: the first one eats the budget).
+    remaining = size_bound if size_bound is not None else float("inf")
     staging = staging if staging is not None else StagingBuffer(device)
     flat, metas, used = None, [], 0
     for name, t in named_tensors:
@@ -308,13 +309,14 @@ def pack_stream(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int, 
             yield bucket
             del bucket  # hold no view while the next buffer is requested
         if flat is None:
-            flat = staging.get(max(min(bucket_bytes, remaining), n))
+            flat = staging.get(int(max(min(bucket_bytes, remaining), n)))
         copy_into(flat, used, t)
         metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), used, n))
         remaining -= aligned(n)
         used = min(aligned(used + n), flat.numel())
         if on_copy is not None:
             on_copy(n, flat.numel())
+        del t  # not held while the producer makes the next tensor
     if metas:
         bucket = FlatBucket(metas, flat[:used])
         flat = None

@@ -119,7 +119,8 @@ def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True
     Collective over ``tp_group``: every TP rank of the stage must iterate in step. One tensor is
     gathered at a time, so the extra memory is one canonical tensor (twice: the gathered shards
     and their concatenation). ``reuse``: gather into and concatenate into two buffers kept for
-    the whole iteration (no fresh pages per tensor), and yield parameters that need no gather
+    the whole iteration (no fresh pages per tensor; shards split along dim 0 need no
+    concatenation: the gathered buffer is the tensor), and yield parameters that need no gather
     without a copy - a yielded tensor is then valid only until the next one is requested (for a
     consumer that copies it at once, like the streaming export).
     """
@@ -129,6 +130,10 @@ def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True
             if reuse:
                 flat = gathered.get(p.numel() * tp, p.dtype, p.device)
                 dist.all_gather_into_tensor(flat, p.detach().contiguous().reshape(-1), group=tp_group)
+                if p.partition_dim == 0 and not (glu and is_glu_fc1(local)):
+                    # Rank-major shards split along dim 0 ARE the concatenation: no copy.
+                    yield canon, flat.view(full_shape(p, tp))
+                    continue
                 parts = list(flat.view(tp, *p.shape).unbind(0))
                 full = joined.get(p.numel() * tp, p.dtype, p.device).view(full_shape(p, tp))
                 yield canon, unshard(parts, p, local, glu, out=full)

@@ -69,11 +69,12 @@ class Pending:
             return
         if self._work is not None:
             self._work.wait()
+        self._work = None  # the work object holds the tensor too: drop it before counting
         if self.tensor.device.type == "cpu":
             deadline = time.monotonic() + 0.5
             while self.tensor._use_count() > self._base and time.monotonic() < deadline:
                 time.sleep(0)
-        self.tensor = self._work = None
+        self.tensor = None
 
 
 AsyncLink = Callable[[Tensor], Pending]

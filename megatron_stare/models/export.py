@@ -10,9 +10,12 @@ of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own;
 ``weight_sync.pack_stream``). A full buffer is one bucket in the project's one bucket format
 (``weight_sync.FlatBucket``): moved to the destination in ONE transfer in the one wire protocol
 (``weight_sync.wire``: sizes, JSON header, the bytes), and yielded as views into that buffer.
-Buffers are reused once the consumer dropped every view of the previous bucket. Peak extra
-memory per rank: one bucket buffer plus the tensor being converted (its TP parts and its HF
-pieces).
+Buffers come from a two-slot ``StagingBuffer`` and are reused once the consumer dropped every
+view of a bucket, so a consumer may keep one bucket in flight (an async send: the weight-sync
+sender, a pipeline stage's ``isend`` to ``dst``) while the next is gathered and packed. Peak
+extra memory per rank: two bucket buffers (one when the consumer drops each bucket before asking
+for the next) plus the tensor being converted (the reused TP gather / concatenation buffers and
+its HF pieces).
 
 Destinations (``dst``):
 - ``"all"``: every rank yields every bucket. Each stage broadcasts its buckets over its pipeline

@@ -98,6 +98,22 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
                                                f"{spec.ffn_hidden_size}; choose a divisor")
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    """The environment resolves (name or dotted path), and an option set only means something
+    with one."""
+    from megatron_stare.envs import EnvError, get_env_class
+
+    mt = cfg.rollout.multi_turn
+    if not mt.env:
+        _require(not mt.env_options, "rollout.multi_turn.env_options are set but rollout.multi_turn.env is "
+                                     "empty (single turn); name an environment, or drop the options")
+        return
+    try:
+        get_env_class(mt.env)
+    except EnvError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_engine(cfg: Config, cuda: bool) -> None:
     """Rollout settings the chosen engine cannot honour, one line each."""
     r = cfg.rollout
@@ -225,6 +241,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
     _check_engine(cfg, cuda)
+    _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
     _check_lengths(cfg, spec)
 

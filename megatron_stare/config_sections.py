@@ -8,7 +8,7 @@ and states it in its docstring; ``megatron_stare.config`` loads YAML into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
 from megatron_stare.config_fields import num
@@ -59,6 +59,21 @@ class ModelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with an environment (tools): off while ``env`` is empty."""
+
+    env: str = ""
+    """Environment registry name (``calculator``) or dotted path 'pkg.module:Class'; '' = single turn."""
+    env_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's class (e.g. ``time_limit_s``)."""
+    max_turns: int = num(4, ge=1)
+    """Most model turns per trajectory, >= 1."""
+    max_total_tokens: int = num(1024, ge=1)
+    """Most response tokens per trajectory (model turns + observations), >= 1; each turn gets
+    at most rollout.max_new_tokens of them."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
@@ -97,6 +112,8 @@ class RolloutConfig:
     """Sampling temperature at evaluation, >= 0 (0 = greedy)."""
     eval_top_p: float = num(0.7, gt=0, le=1)
     """Nucleus mass at evaluation, in (0, 1]."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn tool use (rollout/multiturn.py, envs/)."""
 
 
 @dataclass

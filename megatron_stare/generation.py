@@ -13,7 +13,7 @@ variance (with dynamic sampling), computes group advantages and returns the step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -55,9 +55,11 @@ class RolloutStats:
     num_tokens: int = 0
     reward_timeouts: int = 0
     """Responses scored 0 because their verifier call ran out of time (or its worker died)."""
+    multiturn: Dict[str, float] = field(default_factory=dict)
+    """Multi-turn rollouts only: ``rollout.multiturn.multiturn_metrics`` of the step's trajectories."""
 
     def metrics(self) -> Dict[str, Any]:
-        return {"reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
+        return {**self.multiturn, "reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
                 "reward/timeouts": self.reward_timeouts,
                 "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
                 "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,

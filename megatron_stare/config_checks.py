@@ -151,19 +151,23 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
 
 def _check_lengths(cfg: Config, spec) -> None:
     r, p, d = cfg.rollout, cfg.parallel, cfg.data
-    max_seq = d.max_prompt_length + r.max_new_tokens
+    max_seq = d.max_prompt_length + r.max_response_tokens
+    resp = "rollout.multi_turn.max_total_tokens" if r.multi_turn.env else "rollout.max_new_tokens"
     if spec is not None:
         _require(max_seq <= spec.max_position_embeddings,
-                 f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the model's "
+                 f"data.max_prompt_length + {resp} = {max_seq} exceeds the model's "
                  f"max_position_embeddings {spec.max_position_embeddings}; shorten them")
     _require(p.micro_batch_tokens >= max_seq,
              f"parallel.micro_batch_tokens={p.micro_batch_tokens} is below the longest sequence, "
-             f"data.max_prompt_length + rollout.max_new_tokens = {max_seq}, which would get a "
+             f"data.max_prompt_length + {resp} = {max_seq}, which would get a "
              f"micro-batch of its own beyond the budget; raise micro_batch_tokens to >= {max_seq}")
     w = cfg.reward
-    _require(w.overlong_buffer_len < r.max_new_tokens or w.overlong_buffer_len == 0,
-             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below rollout.max_new_tokens="
-             f"{r.max_new_tokens}")
+    budget = ("rollout.max_new_tokens" if not r.multi_turn.env else
+              "the model-token budget min(rollout.multi_turn.max_turns * rollout.max_new_tokens, "
+              "rollout.multi_turn.max_total_tokens)")
+    _require(w.overlong_buffer_len < r.max_model_tokens or w.overlong_buffer_len == 0,
+             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below {budget}="
+             f"{r.max_model_tokens}")
 
 
 def _check_schedule(cfg: Config) -> None:

@@ -115,6 +115,24 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn tool use (rollout/multiturn.py, envs/)."""
 
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a sequence holds: ``max_new_tokens``, or with multi-turn the
+        trajectory's ``multi_turn.max_total_tokens`` (model turns + observations): what context
+        lengths (vLLM's max_model_len), micro-batch budgets and position limits must fit."""
+        return self.multi_turn.max_total_tokens if self.multi_turn.env else self.max_new_tokens
+
+    @property
+    def max_model_tokens(self) -> int:
+        """Most tokens the policy itself generates per response: ``max_new_tokens``, or with
+        multi-turn ``min(max_turns * max_new_tokens, max_total_tokens)``. Response lengths
+        (``response/*`` metrics, DAPO overlong shaping) count model tokens only, against this
+        budget: observations are the environment's, not a length the policy chose."""
+        mt = self.multi_turn
+        if not mt.env:
+            return self.max_new_tokens
+        return min(mt.max_turns * self.max_new_tokens, mt.max_total_tokens)
+
 
 @dataclass
 class RewardConfig:

@@ -4,14 +4,18 @@
 depends on the turn's tokens (so a dropped, added or re-tokenized token shows), and it is done
 after ``done_after`` steps with reward ``1.0``. ``TracedEngine`` / ``traced_env`` record what
 crosses the engine's and the environment's boundaries, the trace the trainer's token ids are
-checked against.
+checked against. ``HangingCalculatorEnv``: the calculator with a tool that times out on a
+deterministic subset of calls.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from typing import List, Sequence
 
 from megatron_stare.envs.base import EnvStep, Environment
+from megatron_stare.envs.calculator import CalculatorEnv
 
 
 class EchoToolEnv(Environment):
@@ -55,3 +59,16 @@ def traced_env(env: Environment, trace: List[tuple]) -> Environment:
 
     env.step = recorded
     return env
+
+
+
+class HangingCalculatorEnv(CalculatorEnv):
+    """The ``calculator`` whose tool hangs (sleeps 20x ``time_limit_s``) when the expression's
+    first number is divisible by 7: a real wall-clock timeout on a deterministic subset of calls,
+    so a run and its resume see the same error observations."""
+
+    def run_tool(self, expr: str) -> str:
+        first = re.match(r"\s*(\d+)", expr)
+        if first is not None and int(first.group(1)) % 7 == 0:
+            time.sleep(20 * self.time_limit_s)
+        return super().run_tool(expr)

@@ -171,6 +171,7 @@ class Trainer:
         from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
 
         selector = GroupSelector(self.cfg)
+        generated: list = []  # every generation batch's results (multi-turn metrics)
         while not selector.full:
             prompts = self.train_set.batch(self.sampler.next_batch())
             seed = (self.cfg.trainer.seed * 100_003 + step) * 1009 + selector.batches
@@ -183,7 +184,12 @@ class Trainer:
                 shared = self.score(prompts, results)
             selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
                                      shared.crashes))
+            generated += results
         samples, stats = selector.finish()
+        if self.cfg.rollout.multi_turn.env:
+            from megatron_stare.rollout.multiturn import multiturn_metrics
+
+            stats.multiturn = multiturn_metrics(generated)
         if not samples:
             raise RuntimeError(f"step {step}: no informative prompt groups after "
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
@@ -198,7 +204,20 @@ class Trainer:
         if not d.generates:
             return None
         part = replica_slice(len(prompts), d.replica, d.replicas)
-        return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+        mt = self.cfg.rollout.multi_turn
+        if not mt.env:
+            return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+        from megatron_stare.envs import make_env
+        from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
+
+        def new_env(j: int):  # one environment per trajectory, reset with its task
+            env = make_env(mt.env, self.tokenizer, mt.env_options)
+            p = prompts[part[j]]
+            env.reset(p.token_ids, p.answer, p.metadata)
+            return env
+
+        return generate_multiturn(self.engine, [prompts[i].token_ids for i in part], params,
+                                  MultiTurnLimits(mt.max_turns, mt.max_total_tokens), new_env, prompt_indices=part)
 
     def gather(self, results, num_prompts: int, n: int):
         """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica
@@ -210,8 +229,12 @@ class Trainer:
         return gathered
 
     def score(self, prompts, results):
-        """Phase 3: each response scored once on one rank, the scores shared by all ranks."""
-        from megatron_stare.rewards.sharded import score_once
+        """Phase 3: each response scored once on one rank, the scores shared by all ranks. A
+        multi-turn trajectory's score is its environment's reward (identical on every rank)."""
+        from megatron_stare.rewards.sharded import SharedScores, score_once
+
+        if self.cfg.rollout.multi_turn.env:
+            return SharedScores([float(r.env_reward) for r in results], 0, 0)
 
         def item(i: int):
             r = results[i]

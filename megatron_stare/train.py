@@ -61,6 +61,7 @@ class Trainer:
         # First (unless main() did it already): a preemption signal during the (long) set-up is
         # recorded, not fatal, and the run stops at the first step boundary.
         self.preemption = preemption if preemption is not None else Preemption.install()
+        self._owns_preemption = preemption is None  # main() keeps its handlers until the process ends
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
@@ -403,7 +404,8 @@ class Trainer:
         return train, ev, sampler
 
     def close(self) -> None:
-        self.preemption.close()
+        if self._owns_preemption:
+            self.preemption.close()
         self.logger.close()
         if self.pool is not None:
             self.pool.close()
@@ -439,8 +441,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         preemption.close()
         return 2
+    stopped = None
     try:
         stopped = Trainer(cfg, preemption).fit()
+        if stopped is not None:
+            # For the launch shell (torchrun exits 1 whatever its workers return). Written
+            # before any rank may exit: torchrun SIGTERMs the other workers as soon as one exits,
+            # so no rank leaves this barrier before every node's local rank 0 has written it.
+            write_status(PREEMPTED_EXIT_CODE)
+            if dist.is_initialized():
+                dist.barrier()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
         # detected identically on every rank before any collective: one line from rank 0. A
@@ -452,13 +462,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     finally:
-        preemption.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    if stopped is not None:
-        write_status(PREEMPTED_EXIT_CODE)  # for the launch shell: torchrun exits 1 regardless
-        return PREEMPTED_EXIT_CODE
-    return 0
+        # A preempted run keeps its handlers (they only record) until the process ends: the first
+        # rank to exit makes torchrun SIGTERM the others, and one still shutting down must exit
+        # 75 like the rest, not die of that signal.
+        if stopped is None:
+            preemption.close()
+    return PREEMPTED_EXIT_CODE if stopped is not None else 0
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from megatron_stare.rollout import SamplingParams, build_engine
+    from megatron_stare.config import load_config
+    from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
     from megatron_stare.testing.hf_models import build_tiny_hf_model
 
     model = build_tiny_hf_model("qwen2", Path(tempfile.mkdtemp(prefix="bench_rollout_")) / "m",
@@ -59,8 +60,9 @@ def main() -> None:
           f"tokens each; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     rates = {}
     for name in engines:
-        kw = {"max_model_len": args.prompt_len + args.new_tokens + 8} if name != "hf" else {}
-        eng = build_engine(name, str(model), **kw)
+        cfg = load_config(None, [f"model.path={model}", f"rollout.engine={name}",
+                                 f"data.max_prompt_length={args.prompt_len}", f"rollout.max_new_tokens={args.new_tokens}"])
+        _, eng = engine_for_rank(cfg, EngineWorld())  # as the trainer builds it
         try:
             eng.generate(prompts[:2], params)  # warm-up
             times = []

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
             model, groups, spec, out, hf_config=hf_config, bucket_bytes=args.shard_size,
             side_files_dir=args.hf_config_dir or (args.ckpt / "hf"), dtype=getattr(torch, dtype_name),
             on_shard=lambda w, bucket: log(f"wrote shard {w.num_shards}: {len(bucket)} tensors, "
-                                           f"{bucket.flat.numel() / 2**20:.1f} MiB"))
+                                           f"{bucket.nbytes / 2**20:.1f} MiB"))
         log(f"wrote {out}")
     except ValueError as e:
         fail(PROG, str(e))

@@ -1,11 +1,43 @@
 # Shared by the launch scripts (sourced, not run): the interpreter, argument parsing, the preflight
 # checks and the plan / print / run tail.
 #
+# PREEMPT_GRACE_S (default 300): seconds torchrun gives its workers to save and exit after a
+# preemption signal (see run_torchrun).
+#
 # The interpreter (RUN_PY): $VENV/bin/python when VENV is set, else the repository's .venv (which
 # scripts/bootstrap.sh builds), else python3 from PATH, which must then have torch. PYTHON is not
 # read here: it keeps its one meaning, the base interpreter scripts/bootstrap.sh builds .venv from.
 
 fail() { echo "error: $*" >&2; exit 2; }
+
+# Preemption (megatron_stare/preemption.py): SIGTERM or SIGUSR1 makes the run save at the next
+# step boundary and exit 75. torchrun forwards only the signals of --signals-to-handle (SIGUSR1
+# is not among its defaults: it would kill torchrun and orphan the workers) and SIGKILLs workers
+# --shutdown-timeout seconds after forwarding (default 30): PREEMPT_GRACE_S, which must cover a
+# step plus a save (a kill past it leaves the last complete checkpoint). The same timeout bounds
+# how long torchrun waits for the other workers after one fails.
+PREEMPT_GRACE_S=${PREEMPT_GRACE_S:-300}
+TORCHRUN_SIGNALS=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$PREEMPT_GRACE_S")
+
+# run_torchrun CMD...: run torchrun and relay SIGUSR1/SIGTERM sent to this shell (by srun, or a
+# user) to it. torchrun exits 1 whatever its workers return, so a preempted run (this node's
+# local rank 0 writes 75 to $MEGATRON_STARE_STATUS_FILE) exits 75 here; otherwise torchrun's code.
+run_torchrun() {
+  local status pid= pending= rc=0
+  status=$(mktemp "${TMPDIR:-/tmp}/megatron-stare-status.XXXXXX")
+  trap 'if [[ -n $pid ]]; then kill -USR1 "$pid" 2>/dev/null || true; else pending=USR1; fi' USR1
+  trap 'if [[ -n $pid ]]; then kill -TERM "$pid" 2>/dev/null || true; else pending=TERM; fi' TERM
+  MEGATRON_STARE_STATUS_FILE=$status "$@" &
+  pid=$!
+  if [[ -n $pending ]]; then kill -"$pending" "$pid" 2>/dev/null || true; fi
+  # A trapped signal interrupts `wait`; bash keeps the child's status, so wait until it is gone.
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+  wait "$pid" || rc=$?
+  trap - USR1 TERM
+  if [[ -s $status ]]; then rc=$(<"$status"); fi
+  rm -f "$status"
+  exit "$rc"
+}
 
 # project_python: sets RUN_PY (see above); one line and exit 2 if there is no usable interpreter.
 project_python() {
@@ -69,7 +101,8 @@ launch_multinode() {
   fi
   local cmd=("$RUN_PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
              --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-\$MASTER_ADDR}"
-             --master-port "$MASTER_PORT" -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
+             --master-port "$MASTER_PORT" "${TORCHRUN_SIGNALS[@]}"
+             -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
   if [[ $MODE == print ]]; then
     print_cmd "${cmd[@]}"
     exit 0
@@ -78,5 +111,5 @@ launch_multinode() {
   export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron's TP/SP communication overlap relies on it
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} TOKENIZERS_PARALLELISM=false
   mkdir -p "$RUN_DIR"
-  exec "${cmd[@]}"
+  run_torchrun "${cmd[@]}"
 }

@@ -79,7 +79,7 @@ JSON
   exit $rc
 fi
 
-CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
+CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
      -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
 if [[ $MODE == print ]]; then
   print_cmd "${CMD[@]}"
@@ -106,4 +106,4 @@ PY
 fi
 "$RUN_PY" -m megatron_stare.config --quiet --config "$CONFIG" --world-size "$NPROC" "${ARGS[@]}" || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-exec "${CMD[@]}"
+run_torchrun "${CMD[@]}"

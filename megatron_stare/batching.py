@@ -1,10 +1,18 @@
-"""From a step's samples to this rank's mini-batches of padded micro-batches.
+"""From a step's samples to this rank's mini-batches of micro-batches.
 
 1. ``split_mini_batches``: whole prompt groups, in order, into ``k`` optimizer mini-batches.
 2. ``assign_data_parallel``: a mini-batch's samples dealt over DP ranks, balanced by token
    count (longest first to the least-loaded rank; ties by sample id, then rank), deterministic.
-3. ``pack_micro_batches``: a rank's samples packed, longest first, into micro-batches whose
-   padded size ``rows * max_len`` stays within a token budget (dynamic batch size).
+3. ``pack_micro_batches``: a rank's samples grouped into micro-batches within a token budget
+   (dynamic batch size): padded, ``rows * longest`` fits it (longest first); packed, the real
+   tokens fit it (first-fit decreasing).
+4. ``collate`` (padded): right-padded to the longest row, rounded up to
+   ``sequence_pad_multiple`` (what sequence and context parallelism split the sequence by),
+   then ``cp_slice``d. ``collate_packed``: the sequences end to end in one row (each padded to
+   a multiple of ``2*cp`` under CP, the row to the multiple), this CP rank's part of it
+   (``types.PackedRow``), plus the same ``[B, L]`` per-token fields for the losses. Padding is
+   a masked target (``loss_mask`` False, ``token_keys`` 0), so no loss, selection or metric
+   sees it.
 
 Every rank computes the same plan from the same global batch, so the pipeline stages and
 tensor-parallel ranks of a replica iterate identical micro-batches without talking.
@@ -12,11 +20,12 @@ tensor-parallel ranks of a replica iterate identical micro-batches without talki
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+from torch import Tensor
 
-from megatron_stare.types import KEY_STRIDE, MicroBatch, Sample, pad_stack
+from megatron_stare.types import KEY_STRIDE, MicroBatch, PackedRow, Sample, pad_stack
 
 
 def split_mini_batches(samples: Sequence[Sample], k: int) -> List[List[Sample]]:
@@ -43,14 +52,29 @@ def assign_data_parallel(samples: Sequence[Sample], dp_size: int) -> List[List[S
     return [sorted(o, key=lambda s: s.sample_id) for o in out]
 
 
-def pack_micro_batches(samples: Sequence[Sample], token_budget: int,
-                       max_rows: Optional[int] = None) -> List[List[Sample]]:
-    """Groups of samples whose padded size ``len(group) * longest`` fits ``token_budget``.
+def pack_micro_batches(samples: Sequence[Sample], token_budget: int, max_rows: Optional[int] = None,
+                       packed: bool = False) -> List[List[Sample]]:
+    """Groups of samples within ``token_budget``: their padded size ``len(group) * longest``, or
+    with ``packed`` their real tokens (first-fit decreasing; each group in sample-id order).
 
-    A sample longer than the budget gets a micro-batch of its own. ``max_rows`` caps the rows
-    (a fixed micro-batch size when the budget is generous).
+    A sample longer than the budget gets a micro-batch of its own. ``max_rows`` caps the
+    sequences of a group (a fixed micro-batch size when the budget is generous).
     """
     order = sorted(samples, key=lambda s: (-s.num_tokens, s.sample_id))
+    if packed:
+        bins: List[List[Sample]] = []
+        loads: List[int] = []
+        for s in order:
+            n = s.num_tokens - 1
+            for i, b in enumerate(bins):
+                if loads[i] + n <= token_budget and (max_rows is None or len(b) < max_rows):
+                    b.append(s)
+                    loads[i] += n
+                    break
+            else:
+                bins.append([s])
+                loads.append(n)
+        return [sorted(b, key=lambda s: s.sample_id) for b in bins]
     out: List[List[Sample]] = []
     cur: List[Sample] = []
     for s in order:
@@ -65,40 +89,109 @@ def pack_micro_batches(samples: Sequence[Sample], token_budget: int,
     return out
 
 
-def collate(samples: Sequence[Sample], with_engine_logp: bool = False) -> MicroBatch:
-    """Right-padded ``MicroBatch`` of ``samples`` (see ``MicroBatch`` for the alignment)."""
-    rows, tgts, masks, keys = [], [], [], []
-    for s in samples:
-        seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if p < 1 or r < 1:
-            raise ValueError(f"sample {s.sample_id}: needs >= 1 prompt and >= 1 response token")
-        inp, tgt = seq[:-1], seq[1:]
-        mask = torch.zeros(inp.numel(), dtype=torch.bool)
-        mask[p - 1:] = True  # target index t is token t+1: response tokens start at p
-        key = torch.zeros(inp.numel(), dtype=torch.long)
-        key[p - 1:] = s.sample_id * KEY_STRIDE + torch.arange(r)
-        rows.append(inp), tgts.append(tgt), masks.append(mask), keys.append(key)
-    width = max(r.numel() for r in rows)
-    mb = MicroBatch(
-        input_ids=pad_stack(rows, width),
-        position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous(),
-        targets=pad_stack(tgts, width),
-        loss_mask=pad_stack(masks, width, False),
-        token_keys=pad_stack(keys, width),
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
-        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
-    )
+def sequence_pad_multiple(tp: int, cp: int = 1, sequence_parallel: bool = False) -> int:
+    """The multiple a micro-batch's length must have for Megatron to split it.
+
+    Sequence parallelism scatters the sequence over the ``tp`` ranks; context parallelism cuts it
+    into ``2*cp`` load-balanced chunks, and with both each chunk is scattered over TP:
+    ``tp * 2*cp``. Without either, 1.
+    """
+    sp = tp if sequence_parallel else 1
+    return sp * (2 * cp if cp > 1 else 1)
+
+
+#: The per-token fields of a micro-batch row, with their padding value.
+ROW_FIELDS = {"input_ids": 0, "position_ids": 0, "targets": 0, "loss_mask": False, "token_keys": 0,
+              "engine_logp": 0.0}
+
+
+def sample_row(s: Sample, with_engine_logp: bool = False) -> Dict[str, Tensor]:
+    """The ``ROW_FIELDS`` of one sample, unpadded (``[n]``, n = its tokens - 1); see ``MicroBatch``
+    for the alignment."""
+    seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+    p, r = len(s.prompt_ids), len(s.response_ids)
+    if p < 1 or r < 1:
+        raise ValueError(f"sample {s.sample_id}: needs >= 1 prompt and >= 1 response token")
+    n = seq.numel() - 1
+    row = {"input_ids": seq[:-1], "position_ids": torch.arange(n), "targets": seq[1:]}
+    row["loss_mask"] = torch.zeros(n, dtype=torch.bool)
+    row["loss_mask"][p - 1:] = True  # target index t is token t+1: response tokens start at p
+    row["token_keys"] = torch.zeros(n, dtype=torch.long)
+    row["token_keys"][p - 1:] = s.sample_id * KEY_STRIDE + torch.arange(r)
+    if s.loss_mask is not None:  # multi-turn: tool / environment tokens are masked targets
+        if len(s.loss_mask) != r:
+            raise ValueError(f"sample {s.sample_id}: loss mask of {len(s.loss_mask)} for {r} response tokens")
+        trained = torch.tensor(s.loss_mask, dtype=torch.bool)
+        row["loss_mask"][p - 1:] = trained
+        row["token_keys"][p - 1:] *= trained
     if with_engine_logp:
-        if any(s.engine_logprobs is None or len(s.engine_logprobs) != len(s.response_ids) for s in samples):
+        if s.engine_logprobs is None or len(s.engine_logprobs) != r:
             raise ValueError("engine log-probs missing or of the wrong length for some samples")
-        e = torch.zeros(len(samples), width)
-        for i, s in enumerate(samples):
-            p = len(s.prompt_ids)
-            e[i, p - 1: p - 1 + len(s.response_ids)] = torch.tensor(s.engine_logprobs)
-        mb.engine_logp = e
+        row["engine_logp"] = torch.zeros(n)
+        row["engine_logp"][p - 1:] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+    return row
+
+
+def _micro_batch(samples: Sequence[Sample], rows: List[Dict[str, Tensor]], width: int,
+                 packed: Optional[PackedRow] = None) -> MicroBatch:
+    cols = {name: pad_stack([r[name] for r in rows], width, pad) for name, pad in ROW_FIELDS.items()
+            if name in rows[0]}
+    return MicroBatch(**cols, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+                      sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long), packed=packed)
+
+
+def collate(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1) -> MicroBatch:
+    """Right-padded ``MicroBatch`` of ``samples`` (see ``MicroBatch`` for the alignment), its
+    length rounded up to a multiple of ``pad_multiple`` (``sequence_pad_multiple``); positions
+    run on through the padding."""
+    rows = [sample_row(s, with_engine_logp) for s in samples]
+    width = -(-max(r["input_ids"].numel() for r in rows) // pad_multiple) * pad_multiple
+    mb = _micro_batch(samples, rows, width)
+    mb.position_ids = torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous()
     return mb
+
+
+def slot_chunks(slot: int, cp: int, cp_rank: int) -> Tensor:
+    """Positions within a slot of ``slot`` tokens that CP rank ``cp_rank`` holds: chunks
+    ``cp_rank`` and ``2*cp-1-cp_rank`` of ``2*cp`` (all of it without CP)."""
+    if cp == 1:
+        return torch.arange(slot)
+    c = slot // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                      torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)])
+
+
+def collate_packed(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1,
+                   cp: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """``MicroBatch`` whose model input is one packed row (``types.PackedRow``).
+
+    Each sequence gets a slot of its tokens rounded up to ``2*cp`` (under CP); the last slot also
+    takes the padding that rounds the row to ``pad_multiple`` (a multiple of ``2*cp``,
+    ``sequence_pad_multiple``). This rank keeps its two chunks of every slot (TE's THD split).
+    The ``[B, L]`` fields hold, per sequence, the same tokens in the same order.
+    """
+    if cp > 1 and pad_multiple % (2 * cp):
+        raise ValueError(f"pad_multiple {pad_multiple} is not a multiple of 2*cp = {2 * cp}")
+    rows = [sample_row(s, with_engine_logp) for s in samples]
+    lens = [r["input_ids"].numel() for r in rows]
+    unit = 2 * cp if cp > 1 else 1
+    slots = [-(-n // unit) * unit for n in lens]
+    slots[-1] += -sum(slots) % pad_multiple
+    local, index, offset = [], [], 0
+    for row, slot in zip(rows, slots):
+        keep = slot_chunks(slot, cp, cp_rank)
+        padded = {name: torch.cat([x, torch.full((slot - x.numel(),), ROW_FIELDS[name], dtype=x.dtype)])
+                  for name, x in row.items()}
+        padded["position_ids"] = torch.arange(slot)
+        local.append({name: x[keep] for name, x in padded.items()})
+        index.append(torch.arange(offset, offset + keep.numel()))
+        offset += keep.numel()
+    width = max(i.numel() for i in index)
+    packed = PackedRow(**{name: torch.cat([r[name] for r in local]).unsqueeze(0)
+                          for name in ("input_ids", "position_ids", "targets")},
+                       index=pad_stack(index, width), seq_lens=tuple(lens), slot_lens=tuple(slots))
+    return _micro_batch(samples, local, width, packed)
 
 
 def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
@@ -128,12 +221,17 @@ def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 
 def plan_rank_batches(samples: Sequence[Sample], *, mini_batches: int, dp_rank: int, dp_size: int,
                       token_budget: int, max_rows: Optional[int] = None,
-                      with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0
-                      ) -> List[List[MicroBatch]]:
-    """This DP rank's micro-batches for each mini-batch of the step (CP-sliced when ``cp > 1``)."""
+                      with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0,
+                      pad_multiple: int = 1, packed: bool = False) -> List[List[MicroBatch]]:
+    """This DP rank's micro-batches for each mini-batch of the step, this CP rank's part of each,
+    padded to a multiple of ``pad_multiple`` (``sequence_pad_multiple``): packed rows with
+    ``packed`` (``collate_packed``), else padded rows (``collate`` + ``cp_slice``)."""
     out = []
     for mini in split_mini_batches(samples, mini_batches):
         mine = assign_data_parallel(mini, dp_size)[dp_rank]
-        out.append([cp_slice(collate(g, with_engine_logp), cp, cp_rank)
-                    for g in pack_micro_batches(mine, token_budget, max_rows)])
+        groups = pack_micro_batches(mine, token_budget, max_rows, packed=packed)
+        if packed:
+            out.append([collate_packed(g, with_engine_logp, pad_multiple, cp, cp_rank) for g in groups])
+        else:
+            out.append([cp_slice(collate(g, with_engine_logp, pad_multiple), cp, cp_rank) for g in groups])
     return out

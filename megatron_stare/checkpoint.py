@@ -3,17 +3,31 @@
 A checkpoint is a directory ``<dir>/step_<N>/``:
 
 - ``model/``: the policy weights as a layout-independent megatron-core distributed checkpoint
-  (``models.dist_ckpt``), loadable at any TP/PP layout and by ``checkpoints_convert``;
-- ``rank_<r>.pt``: this rank's optimizer state (Megatron's, fp32 Adam moments), LR schedule
-  and RNG states (torch CPU/CUDA, Python, NumPy, Megatron's tracker). Optimizer state is
-  layout-specific: resuming it needs the same TP/PP/DP layout (the weights alone do not);
+  (``models.dist_ckpt``), loadable at any TP/PP/DP layout and by ``checkpoints_convert``;
+- ``optimizer/``: Megatron's sharded optimizer state (Adam moments, fp32 main params of bf16
+  weights, step) and the LR schedule, also a distributed checkpoint. The plain optimizer's state
+  loads at any layout; the distributed optimizer's at any DP degree with the same TP/PP;
+- ``rank_<r>.pt``: this rank's RNG states (torch CPU/CUDA, Python, NumPy, Megatron's tracker)
+  and its layout. They are restored only at the saved layout (elsewhere the RNG streams differ
+  by construction, and the run says so);
 - ``trainer_state.json``: step, data cursor, STARE controller, GEPO history, counters;
-- ``COMPLETE``: written last, holding the manifest (files and sizes).
+- ``COMPLETE``: written last, holding the manifest: every file's size and SHA-256
+  (``checkpoint_manifest``; the ranks hash it together).
 
 Writers fill ``.step_<N>.partial/``; rank 0 renames it to ``step_<N>/`` only after every rank
 has finished, so a crash at any point leaves either the previous checkpoint or a ``.partial``
-directory that is ignored. ``latest_complete`` also skips a ``step_<N>`` whose manifest does
-not match its files (a torn copy), warning about it, and resumes from the last good one.
+directory that is ignored. ``latest_complete`` also skips a ``step_<N>`` whose files do not
+match its manifest (torn, cut short, or changed in place at the same size), warning with the
+first damaged file, and resumes from the last good one.
+
+Every decision about a checkpoint is the same on every rank: which one to resume (verified
+together, one verdict), and any error: a rank that cannot read its part makes every rank raise
+the same ``CheckpointError`` line (naming the rank and the file) before the next collective,
+where the others would otherwise wait for it.
+
+Resume loads the weights, refreshes the optimizer's main params from them, then loads the
+optimizer state (whose saved fp32 main params win where they exist): the first step after a
+resume continues from the resumed weights and moments, never from the optimizer's init.
 """
 
 from __future__ import annotations
@@ -25,13 +39,14 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-COMPLETE = "COMPLETE"
+from megatron_stare.checkpoint_manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
+
 STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 PathLike = Union[str, Path]
@@ -64,22 +79,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _manifest(d: Path) -> Dict[str, int]:
-    return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*"))
-            if p.is_file() and p.name != COMPLETE}
-
-
-def is_complete(d: Path) -> bool:
-    """True when ``d`` has a COMPLETE marker whose manifest matches the files on disk."""
-    marker = d / COMPLETE
-    if not marker.is_file():
-        return False
-    try:
-        expected = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError):
-        return False
-    actual = _manifest(d)
-    return all(actual.get(name) == size for name, size in expected.items())
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped."""
 
 
 def list_checkpoints(root: PathLike) -> List[Path]:
@@ -92,19 +93,26 @@ def list_checkpoints(root: PathLike) -> List[Path]:
 
 
 def latest_complete(root: PathLike) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``; torn ones are reported and skipped."""
-    for d in reversed(list_checkpoints(root)):
-        if is_complete(d):
+    """Collective: the newest checkpoint under ``root`` whose files match its manifest, the same
+    on every rank; each damaged one is reported by rank 0 (one line naming the file) and skipped."""
+    for d in reversed(from_rank0(list_checkpoints(root) if _rank() == 0 else None)):
+        problem = verify(d)
+        if problem is None:
             return d
-        warnings.warn(f"checkpoint {d} is incomplete or damaged (no valid {COMPLETE} manifest); "
-                      f"falling back to an earlier one", stacklevel=2)
+        if _rank() == 0:
+            warnings.warn(f"checkpoint {d} is damaged: {problem}; falling back to an earlier one",
+                          CheckpointWarning, stacklevel=2)
     return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_state: Dict[str, Any],
                     keep_last: int = 3, hf_config: Optional[dict] = None) -> Path:
     """Save step ``step`` (collective over all ranks); prune to the newest ``keep_last``."""
-    from megatron_stare.models.dist_ckpt import save_model
+    from megatron_stare.models.dist_ckpt import save_model, save_optimizer
 
     root = Path(root).absolute()
     final = root / f"step_{step:08d}"
@@ -116,17 +124,16 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
         tmp.mkdir()
     dist.barrier()
     save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config)
-    per_rank = {"optimizer": actor.optimizer.state_dict(), "scheduler": actor.scheduler.state_dict(),
-                "rng": rng_state(), "layout": vars(groups.layout).copy()}
+    save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
+    per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
     part = tmp / f"rank_{dist.get_rank():05d}.pt"
     torch.save(per_rank, str(part) + ".tmp")
     os.replace(str(part) + ".tmp", part)
-    dist.barrier()
     if dist.get_rank() == 0:
         (tmp / STATE).write_text(json.dumps(trainer_state, indent=1, default=_json_default))
-        marker = tmp / (COMPLETE + ".tmp")
-        marker.write_text(json.dumps({"step": step, "files": _manifest(tmp)}))
-        os.replace(marker, tmp / COMPLETE)
+    dist.barrier()
+    write_manifest(tmp, step)  # every rank hashes its share; rank 0 writes COMPLETE
+    if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -144,26 +151,74 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool = True) -> Dict[str, Any]:
-    """Restore weights (any layout) and, at the saved layout, optimizer/RNG; returns trainer state."""
+def _read(path: Path, reader: Callable[[Path], Any]) -> Any:
+    """``reader(path)``; any failure is a CheckpointError naming the file."""
+    try:
+        return reader(path)
+    except Exception as e:  # noqa: BLE001 - re-raised as one line naming the file
+        detail = str(e).splitlines()[0][:300] if str(e) else ""
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {detail})") from e
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _torch(path: Path) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+def _agreed(problem: Optional[str]) -> None:
+    """Collective: raise the same CheckpointError on every rank if any rank has a problem."""
+    if (first := first_problem(problem)) is not None:
+        raise CheckpointError(first)
+
+
+def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool = True,
+                    verified: bool = False) -> Dict[str, Any]:
+    """Restore weights and (``load_optimizer``) optimizer state and LR schedule, and at the saved
+    layout the RNG states; returns the trainer state. Collective over all ranks.
+
+    Weights load at any layout; optimizer state as ``models.dist_ckpt.load_optimizer`` allows.
+    Without ``load_optimizer`` the optimizer keeps its fresh state but its main params follow the
+    loaded weights. The files are verified against the manifest first (unless ``verified``: the
+    caller just did, as ``latest_complete`` does), and every error is raised alike on every rank
+    (a ``CheckpointError`` line naming the file).
+    """
     from megatron_stare.models.dist_ckpt import load_model
+    from megatron_stare.models.dist_ckpt import load_optimizer as load_optimizer_state
+    from megatron_stare.models.dist_ckpt import reload_main_params
 
     d = Path(ckpt)
-    if not d.is_dir():
+    if from_rank0(not d.is_dir()):
         raise CheckpointError(f"checkpoint not found: {d}")
-    if not is_complete(d):
-        raise CheckpointError(f"checkpoint {d} is incomplete or damaged (no valid {COMPLETE} manifest)")
-    load_model(actor.model, d / "model", spec)
-    if load_optimizer:
+    if not verified and (problem := verify(d)) is not None:
+        raise CheckpointError(f"checkpoint {d} is damaged: {problem}")
+    # This rank's own reads first, agreed on before any collective load.
+    state = per_rank = problem = None
+    try:
+        state = _read(d / STATE, _json)
         part = d / f"rank_{dist.get_rank():05d}.pt"
-        if not part.is_file():
-            raise CheckpointError(f"checkpoint {d} has no optimizer state for rank {dist.get_rank()}; "
-                                  f"it was saved at another layout (resume weights only)")
-        per_rank = torch.load(part, weights_only=False)
-        if per_rank["layout"] != vars(groups.layout):
-            raise CheckpointError(f"checkpoint {d} was saved at layout {per_rank['layout']}, this run is "
-                                  f"{vars(groups.layout)}; optimizer state needs the same layout")
-        actor.optimizer.load_state_dict(per_rank["optimizer"])
-        actor.scheduler.load_state_dict(per_rank["scheduler"])
+        if load_optimizer and part.is_file():
+            per_rank = _read(part, _torch)
+        if load_optimizer and not (d / "optimizer").is_dir():
+            raise CheckpointError(f"checkpoint {d} has no optimizer/ state (an older format); resume "
+                                  f"the weights only (load_optimizer=False)")
+    except CheckpointError as e:
+        problem = str(e)
+    _agreed(problem)
+    try:
+        load_model(actor.model, d / "model", spec)
+        if not load_optimizer:
+            if actor.optimizer is not None:
+                reload_main_params(actor.optimizer)
+            return state
+        load_optimizer_state(actor.optimizer, actor.scheduler, actor.model, groups, d / "optimizer")
+    except ValueError as e:  # dist_ckpt's one-line errors, the same on every rank (same files)
+        raise CheckpointError(str(e)) from None
+    if per_rank is not None and per_rank["layout"] == vars(groups.layout):
         set_rng_state(per_rank["rng"])
-    return json.loads((d / STATE).read_text())
+    elif dist.get_rank() == 0:
+        print(f"[megatron-stare] checkpoint {d} was saved at another layout: weights and optimizer "
+              f"state resumed, RNG streams start afresh", flush=True)
+    return state

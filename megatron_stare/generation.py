@@ -1,141 +1,162 @@
-"""Rollout of one training step on the driver rank: generate -> reward -> advantage.
+"""What a step makes of generated and scored responses: samples, advantages, DAPO selection.
 
-``collect_samples`` asks the engine for ``n`` responses per prompt, scores them in the reward
-pool, applies DAPO overlong shaping, computes group advantages, and (optionally) keeps only
-groups with non-zero reward variance, generating more batches until enough groups remain
-(DAPO dynamic sampling). ``evaluate`` computes avg@k and pass@k on a prompt set.
+The trainer runs step phases 1-3 (``rollout/phases.py``: generate, gather, score) and hands
+each generation batch, as a ``ScoredBatch``, to a ``GroupSelector``. Every rank holds the same
+gathered responses and the same shared scores, so every rank's selector keeps the same groups
+and asks for the same number of batches: DAPO dynamic sampling cannot split the ranks, and a
+colocated vLLM (which needs every rank to make the same ``generate`` calls) stays in lockstep.
+
+``GroupSelector.finish()`` applies DAPO overlong shaping, keeps groups with non-zero reward
+variance (with dynamic sampling), computes group advantages and returns the step's samples.
+``eval_metrics`` computes avg@k and pass@k of an evaluation batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.config import Config
 from megatron_stare.data import Prompt
-from megatron_stare.rewards import RewardPool, shape_overlong
-from megatron_stare.rollout.base import RolloutEngine, SamplingParams
+from megatron_stare.rewards import shape_overlong
+from megatron_stare.rollout.base import GenerationResult, SamplingParams
+from megatron_stare.rollout.spec import SamplingDefaults
 from megatron_stare.types import Sample
 
 
 @dataclass
+class ScoredBatch:
+    """One generation batch after phases 1-3: ``results`` prompt-major (``n`` per prompt), the
+    verifier's raw ``scores`` ``[len(results)]``, and how many calls timed out or crashed."""
+
+    prompts: List[Prompt]
+    results: List[GenerationResult]
+    scores: List[float]
+    n: int
+    timeouts: int = 0
+    crashes: int = 0
+
+
+@dataclass
 class RolloutStats:
-    """What the driver reports about a step's rollout."""
+    """What a step reports about its rollout (identical on every rank)."""
 
     reward_mean: float = 0.0
     accuracy: float = 0.0
     """Fraction of responses with reward > 0 before shaping (the verifier's verdict)."""
     response_len_mean: float = 0.0
+    """Response lengths count model tokens only (``model_tokens``): with multi-turn, the
+    observations are not a length the policy chose; DAPO overlong shaping counts the same way
+    against ``rollout.max_model_tokens``."""
     response_len_max: int = 0
     truncated_frac: float = 0.0
+    """Responses that ended ``"length"``: out of new tokens, or (multi-turn) out of turns or of
+    ``max_total_tokens`` before the environment said done."""
     gen_batches: int = 0
     kept_groups: int = 0
     num_tokens: int = 0
-    extra: Dict[str, float] = field(default_factory=dict)
+    """Every response token generated or appended (observations included): the rollout's work."""
+    reward_timeouts: int = 0
+    """Responses scored 0 because their verifier call ran out of time (or its worker died)."""
+    multiturn: Dict[str, float] = field(default_factory=dict)
+    """Multi-turn rollouts only: ``rollout.multiturn.multiturn_metrics`` of the step's trajectories."""
+
+    def metrics(self) -> Dict[str, Any]:
+        return {**self.multiturn, "reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
+                "reward/timeouts": self.reward_timeouts,
+                "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
+                "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,
+                "rollout/kept_groups": self.kept_groups}
 
 
-def sampling_params(cfg: Config, *, seed: int, eval_mode: bool = False, stop_ids=()) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        n=r.eval_n if eval_mode else r.n,
-        temperature=r.eval_temperature if eval_mode else r.temperature,
-        top_p=r.eval_top_p if eval_mode else r.top_p,
-        top_k=0 if r.top_k == -1 else r.top_k,
-        max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(stop_ids), seed=seed)
+def model_tokens(result: GenerationResult) -> int:
+    """The tokens of a response the policy generated: all of them, or a multi-turn trajectory's
+    loss-mask-1 tokens (its observations are the environment's)."""
+    mask = getattr(result, "loss_mask", None)
+    return len(result.token_ids) if mask is None else int(sum(mask))
 
 
-def _generate(engine: RolloutEngine, prompts: Sequence[Prompt], params: SamplingParams, tokenizer,
-              pool: RewardPool, times: Optional[Dict[str, float]] = None):
-    t0 = time.perf_counter()
-    results = engine.generate([p.token_ids for p in prompts], params)
-    t1 = time.perf_counter()
-    texts = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-    answers = [prompts[r.prompt_index].answer for r in results]
-    metas = [prompts[r.prompt_index].metadata for r in results]
-    scores = pool.submit(texts, answers, metas).result()
-    if times is not None:
-        times["time/rollout"] = times.get("time/rollout", 0.0) + t1 - t0
-        times["time/reward"] = times.get("time/reward", 0.0) + time.perf_counter() - t1
-    return results, texts, scores
+def sampling_params(defaults: SamplingDefaults, *, seed: int, stop_ids: Sequence[int] = ()) -> SamplingParams:
+    """One generate call's ``SamplingParams`` from the spec's defaults (training or eval)."""
+    d = defaults
+    return SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                          max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(stop_ids), seed=seed)
 
 
-def collect_samples(engine: RolloutEngine, prompts: List[Prompt], more_prompts, tokenizer,
-                    pool: RewardPool, cfg: Config, seed: int) -> tuple:
-    """``(samples, stats)`` for one training step (driver rank only).
+class GroupSelector:
+    """Collects a step's scored generation batches; keeps whole prompt groups (see the module
+    docstring). ``full`` says whether the step has what it needs."""
 
-    ``more_prompts()`` returns the next batch of prompts for dynamic sampling.
-    """
-    t, a = cfg.trainer, cfg.algorithm
-    kept: List[tuple] = []  # (prompt, [results], [raw scores], [shaped rewards])
-    all_raw: List[float] = []
-    lengths: List[int] = []
-    truncated = 0
-    batches = 0
-    batch = prompts
-    times: Dict[str, float] = {}
-    while True:
-        params = sampling_params(cfg, seed=seed * 1009 + batches)
-        results, _, raw = _generate(engine, batch, params, tokenizer, pool, times)
-        batches += 1
-        lens = torch.tensor([len(r.token_ids) for r in results])
-        shaped = shape_overlong(torch.tensor(raw, dtype=torch.float32), lens, cfg.rollout.max_new_tokens,
-                                cfg.reward).tolist()
-        all_raw += raw
-        lengths += lens.tolist()
-        truncated += sum(r.finish_reason == "length" for r in results)
-        n = params.n
-        for i, p in enumerate(batch):
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.kept: List[tuple] = []  # (prompt, [results], [shaped rewards])
+        self.raw: List[float] = []
+        self.lengths: List[int] = []
+        self.truncated = self.batches = self.timeouts = self.total_tokens = 0
+
+    def add(self, batch: ScoredBatch) -> None:
+        t = self.cfg.trainer
+        lens = torch.tensor([model_tokens(r) for r in batch.results])
+        shaped = shape_overlong(torch.tensor(batch.scores, dtype=torch.float32), lens,
+                                self.cfg.rollout.max_model_tokens, self.cfg.reward).tolist()
+        self.batches += 1
+        self.raw += batch.scores
+        self.lengths += lens.tolist()
+        self.total_tokens += sum(len(r.token_ids) for r in batch.results)
+        self.truncated += sum(r.finish_reason == "length" for r in batch.results)
+        self.timeouts += batch.timeouts + batch.crashes
+        n = batch.n
+        for i, p in enumerate(batch.prompts):
             group = shaped[i * n:(i + 1) * n]
             if t.dynamic_sampling and max(group) == min(group):
                 continue  # zero reward variance: no learning signal (DAPO)
-            kept.append((p, results[i * n:(i + 1) * n], raw[i * n:(i + 1) * n], group))
-        if not t.dynamic_sampling or len(kept) >= t.prompts_per_step or batches >= t.max_gen_batches:
-            break
-        batch = more_prompts()
-    if t.dynamic_sampling:
-        kept = kept[:t.prompts_per_step]
-        if len(kept) < t.prompts_per_step:
-            # Too few informative groups after max_gen_batches: train on what there is, but keep
-            # the group count divisible by the mini-batch count.
-            kept = kept[:len(kept) - len(kept) % t.mini_batches_per_step]
-    samples: List[Sample] = []
-    for g, (p, res, raw, rewards) in enumerate(kept):
-        for r, rw in zip(res, rewards):
-            samples.append(Sample(sample_id=len(samples), group_id=g, prompt_ids=list(p.token_ids),
-                                  response_ids=list(r.token_ids), reward=float(rw),
-                                  engine_logprobs=r.logprobs.tolist(), finish_reason=r.finish_reason))
-    if samples:
-        adv = compute_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
-                                 torch.tensor([s.group_id for s in samples]), a)
-        for s, v in zip(samples, adv.tolist()):
-            s.advantage = float(v)
-    stats = RolloutStats(
-        reward_mean=float(sum(s.reward for s in samples) / max(len(samples), 1)),
-        accuracy=float(sum(x > 0 for x in all_raw) / max(len(all_raw), 1)),
-        response_len_mean=float(sum(lengths) / max(len(lengths), 1)),
-        response_len_max=int(max(lengths, default=0)),
-        truncated_frac=truncated / max(len(lengths), 1), gen_batches=batches, kept_groups=len(kept),
-        num_tokens=int(sum(lengths)), extra=times)
-    return samples, stats
+            self.kept.append((p, batch.results[i * n:(i + 1) * n], group))
+
+    @property
+    def full(self) -> bool:
+        t = self.cfg.trainer
+        return self.batches > 0 and (not t.dynamic_sampling or len(self.kept) >= t.prompts_per_step
+                                     or self.batches >= t.max_gen_batches)
+
+    def finish(self) -> tuple:
+        """``(samples, stats)``: the kept groups as samples with advantages."""
+        t = self.cfg.trainer
+        kept = self.kept
+        if t.dynamic_sampling:
+            kept = kept[:t.prompts_per_step]
+            if len(kept) < t.prompts_per_step:
+                # Too few informative groups after max_gen_batches: train on what there is, but
+                # keep the group count divisible by the mini-batch count.
+                kept = kept[:len(kept) - len(kept) % t.mini_batches_per_step]
+        samples: List[Sample] = []
+        for g, (p, res, rewards) in enumerate(kept):
+            for r, rw in zip(res, rewards):
+                samples.append(Sample(sample_id=len(samples), group_id=g, prompt_ids=list(p.token_ids),
+                                      response_ids=list(r.token_ids), reward=float(rw),
+                                      engine_logprobs=r.logprobs.tolist(), finish_reason=r.finish_reason,
+                                      loss_mask=getattr(r, "loss_mask", None)))
+        if samples:
+            adv = compute_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
+                                     torch.tensor([s.group_id for s in samples]), self.cfg.algorithm)
+            for s, v in zip(samples, adv.tolist()):
+                s.advantage = float(v)
+        stats = RolloutStats(
+            reward_mean=float(sum(s.reward for s in samples) / max(len(samples), 1)),
+            accuracy=float(sum(x > 0 for x in self.raw) / max(len(self.raw), 1)),
+            response_len_mean=float(sum(self.lengths) / max(len(self.lengths), 1)),
+            response_len_max=int(max(self.lengths, default=0)),
+            truncated_frac=self.truncated / max(len(self.lengths), 1), gen_batches=self.batches,
+            kept_groups=len(kept), num_tokens=self.total_tokens, reward_timeouts=self.timeouts)
+        return samples, stats
 
 
-def evaluate(engine: RolloutEngine, prompts: List[Prompt], tokenizer, pool: RewardPool, cfg: Config,
-             seed: int) -> Dict[str, float]:
-    """avg@k (mean accuracy over k samples) and pass@k (any of k correct), k = rollout.eval_n."""
-    params = sampling_params(cfg, seed=seed, eval_mode=True)
-    results, _, scores = _generate(engine, prompts, params, tokenizer, pool)
-    k = params.n
-    correct = torch.tensor([s > 0 for s in scores], dtype=torch.float64).view(len(prompts), k)
+def eval_metrics(batch: ScoredBatch) -> Dict[str, float]:
+    """avg@k (mean accuracy over k samples) and pass@k (any of k correct), k = ``batch.n``."""
+    k = batch.n
+    correct = torch.tensor([s > 0 for s in batch.scores], dtype=torch.float64).view(len(batch.prompts), k)
     return {f"eval/avg@{k}": float(correct.mean()), f"eval/pass@{k}": float(correct.max(1).values.mean()),
-            "eval/response_len_mean": float(sum(len(r.token_ids) for r in results) / max(len(results), 1))}
-
-
-def as_metrics(stats: RolloutStats) -> Dict[str, Any]:
-    return {"reward/mean": stats.reward_mean, "reward/accuracy": stats.accuracy,
-            "response/mean_length": stats.response_len_mean, "response/max_length": stats.response_len_max,
-            "response/truncated_frac": stats.truncated_frac, "rollout/gen_batches": stats.gen_batches,
-            "rollout/kept_groups": stats.kept_groups, **stats.extra}
+            "eval/response_len_mean": float(sum(model_tokens(r) for r in batch.results)
+                                            / max(len(batch.results), 1))}

@@ -42,8 +42,10 @@ class ModelShape:
 class ParallelLayout:
     """Degrees of tensor (tp), pipeline (pp), data (dp) and context (cp) parallelism.
 
-    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` and
-    ``distributed_optimizer`` are GPU features (see ``compat/cpu.py``) validated here too.
+    ``tp * pp * cp * dp`` equals the world size. ``sequence_parallel`` (needs tp > 1),
+    ``distributed_optimizer`` and context parallel (``cp``; transformer-engine's attention on
+    CUDA, ``models/torch_attention.py`` elsewhere) run on CUDA and, through ``compat/cpu.py``,
+    on CPU gloo ranks.
     """
 
     tp: int = 1
@@ -71,8 +73,7 @@ class ParallelLayout:
             )
         return cls(tp=tp, pp=pp, cp=cp, dp=world_size // mp, **kw)
 
-    def validate(self, world_size: Optional[int] = None, shape: Optional[ModelShape] = None,
-                 cuda: Optional[bool] = None) -> "ParallelLayout":
+    def validate(self, world_size: Optional[int] = None, shape: Optional[ModelShape] = None) -> "ParallelLayout":
         """Raise ``LayoutError`` (one line naming the field and the fix) if this layout can't run."""
         for name in ("tp", "pp", "dp", "cp"):
             v = getattr(self, name)
@@ -101,18 +102,6 @@ class ParallelLayout:
                 )
             if shape.num_layers < self.pp:
                 raise LayoutError(f"parallel.pp={self.pp} exceeds the {shape.num_layers} layers")
-        if cuda is None:
-            cuda = torch.cuda.is_available()
-        if not cuda:
-            if self.sequence_parallel:
-                raise LayoutError("parallel.sequence_parallel needs CUDA (torch norms refuse it on "
-                                  "CPU); set parallel.sequence_parallel=false")
-            if self.distributed_optimizer:
-                raise LayoutError("parallel.distributed_optimizer needs CUDA; set "
-                                  "parallel.distributed_optimizer=false on CPU")
-            if self.cp > 1:
-                raise LayoutError("parallel.cp > 1 needs transformer-engine attention on CUDA; "
-                                  "set parallel.cp=1 on CPU")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel.sequence_parallel needs parallel.tp > 1")
         return self
@@ -178,7 +167,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         cpu_compat.apply()
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout.validate(world_size=world, shape=shape, cuda=cuda)
+        layout.validate(world_size=world, shape=shape)
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if world == 1 and "MASTER_ADDR" not in os.environ:
@@ -194,7 +183,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    layout.validate(world_size=dist.get_world_size(), shape=shape, cuda=cuda)
+    layout.validate(world_size=dist.get_world_size(), shape=shape)
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel

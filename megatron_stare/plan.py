@@ -28,26 +28,25 @@ The memory model (per GPU, in GiB; ``--gpu-mem-gb`` is taken as GiB: an "80 GB" 
   buffer (``ops/vocab_parallel.py``; the fused no-logits path needs less).
 - **Reference model** (``algorithm.kl_loss_coef > 0``): a second copy of the stage's weights,
   resident (no offload).
-- **Engine**, colocated (``vllm``, ``sglang``): weights sharded by ``rollout.tp`` (whole model,
-  no PP); vLLM reserves ``gpu_memory_utilization * gpu_mem`` in all, and what is left after the
-  weights and a workspace (profiled activations, CUDA graphs) is its KV cache pool. KV per token
-  per GPU ``2 * layers * kv_heads * head_dim * 2 bytes / rollout.tp`` (a KV head is replicated
-  when rollout.tp > kv_heads). The plan also reports the KV the whole rollout batch needs at full
-  length (``sequences per instance * (max_prompt_length + max_new_tokens)``) and how many such
-  sequences the pool holds at once. ``hf`` is modelled as one full model copy per rank with the
-  KV for its share of the batch, resident in every phase; ``*_server`` engines run on other
-  GPUs and cost nothing here.
+- **Engine**, on the trainer's GPUs (``vllm``, ``sglang`` colocated; a ``vllm-server`` the
+  driver spawns on its node's first ``rollout.tp`` GPUs; ``hf`` on the driver's GPU): weights
+  sharded by ``rollout.tp`` (whole model, no PP); vLLM reserves ``gpu_memory_utilization *
+  gpu_mem`` in all, and what is left after the weights and a workspace (profiled activations,
+  CUDA graphs) is its KV cache pool. KV per token per GPU ``2 * layers * kv_heads * head_dim
+  * 2 bytes / rollout.tp`` (a KV head is replicated when rollout.tp > kv_heads). The plan also
+  reports the KV the whole rollout batch needs at full length (``sequences per instance *
+  (max_prompt_length + max_new_tokens)``) and how many such sequences the pool holds at once.
+  ``hf`` is one full model copy with the KV for the whole batch; a server attached through
+  ``rollout.server_urls`` runs on GPUs of its own and costs nothing here.
 
-Phases: colocated engines sleep while the trainer trains (weights and KV released, a residue
-kept), and the trainer keeps its weights, grads and optimizer state resident while the engine
-generates (this trainer does not offload). So the peak is ``max(train, sync, rollout)``:
-
-- ``train``  = trainer state + activations + logits + reference + engine asleep residue;
-- ``sync``   = trainer state + reference + engine weights + one weight-sync bucket (the engine
-  resumes its weights before its KV cache);
-- ``rollout``= trainer state + reference + engine (weights + workspace + KV pool);
-
-each plus a runtime overhead (CUDA context, cuBLAS/NCCL buffers, allocator slack). The numbers
+Phases: the step's phases and what each holds come from ``rollout/phases.py``, the list the
+training loop runs: an engine on the trainer's GPUs holds its weights, KV cache and workspace
+while awake (generate, gather, score, resume_kv), releases them for the trainer's turn (release,
+train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
+and its KV cache after it. The trainer keeps its weights, grads and optimizer state resident in
+every phase (this trainer does not offload); activations and logits live in ``train``, one
+weight-sync bucket in ``sync``. The peak is the largest phase total, each phase
+including a runtime overhead (CUDA context, cuBLAS/NCCL buffers, allocator slack). The numbers
 are estimates for planning, not a guarantee: measure with ``torch.cuda.max_memory_allocated``.
 """
 
@@ -62,12 +61,15 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
-from megatron_stare.config_checks import COLOCATED_ENGINES
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
+from megatron_stare.rollout.phases import PHASES as STEP_PHASES
+from megatron_stare.rollout.phases import EngineMemory, Phase
+from megatron_stare.rollout.spec import ENGINE_TRAITS
 
 GiB = float(2**30)
-PHASES = ("train", "sync", "rollout")
+PHASES = tuple(p.name for p in STEP_PHASES)
+"""The step's phases, in order (``rollout/phases.py``): the columns of the memory table."""
 
 
 @dataclass(frozen=True)
@@ -118,28 +120,42 @@ class PlanLayout:
     """KV cache for all of an instance's sequences at full length, per GPU."""
     kv_concurrent_sequences: int
     """Full-length sequences the KV pool holds at once (per instance)."""
+    replicas: int = 1
+    """Engine replicas that each generate their own slice of the prompts (data-parallel rollout)."""
+    prompts_per_replica: int = 0
+    """Largest slice of a step's prompts one replica generates (each with ``rollout.n`` samples)."""
+    sync_received_gib: float = 0.0
+    """Per weight sync, what each rank's engine (colocated) or the driver's sender (server/hf)
+    receives: the whole HF model, in the model's dtype."""
+    sync_gathered_gib: float = 0.0
+    """Per weight sync, what each rank receives in the TP all-gather of its stage's sharded weights."""
+    sync_kept_gib: float = 0.0
+    """Per weight sync, what a colocated engine rank keeps of what it received (its 1/engine-tp)."""
 
 
-#: (MemoryPlan field, label, the phases it is resident in).
-_STATE = PHASES  # trainer state stays resident in every phase
+def _always(p: Phase) -> bool:
+    return True
+
+
+#: (MemoryPlan field, label, in which phases it is resident).
 _COMPONENTS = (
-    ("weights_gib", "weights (policy)", _STATE),
-    ("main_grads_gib", "main grads (fp32)", _STATE),
-    ("optimizer_gib", "optimizer (master + Adam m, v)", _STATE),
-    ("activations_gib", "activations", ("train",)),
-    ("logits_gib", "logits + log-prob buffer", ("train",)),
-    ("reference_gib", "reference model", _STATE),
-    ("engine_weights_gib", "engine weights", ("sync", "rollout")),
-    ("engine_kv_gib", "engine KV cache", ("rollout",)),
-    ("engine_workspace_gib", "engine workspace", ("rollout",)),
-    ("engine_asleep_gib", "engine while asleep", ("train",)),
-    ("sync_bucket_gib", "weight-sync bucket", ("sync",)),
-    ("runtime_gib", "runtime (context, NCCL, slack)", _STATE),
+    ("weights_gib", "weights (policy)", _always),
+    ("main_grads_gib", "main grads (fp32)", _always),
+    ("optimizer_gib", "optimizer (master + Adam m, v)", _always),
+    ("activations_gib", "activations", lambda p: p.trainer_work),
+    ("logits_gib", "logits + log-prob buffer", lambda p: p.trainer_work),
+    ("reference_gib", "reference model", _always),
+    ("engine_weights_gib", "engine weights", lambda p: p.engine is not EngineMemory.RELEASED),
+    ("engine_kv_gib", "engine KV cache", lambda p: p.engine is EngineMemory.AWAKE),
+    ("engine_workspace_gib", "engine workspace", lambda p: p.engine is EngineMemory.AWAKE),
+    ("engine_asleep_gib", "engine while released", lambda p: p.engine is not EngineMemory.AWAKE),
+    ("sync_bucket_gib", "weight-sync bucket", lambda p: p.sync_bucket),
+    ("runtime_gib", "runtime (context, NCCL, slack)", _always),
 )
 
 
 def _phase_totals(components: Dict[str, float]) -> Dict[str, float]:
-    return {q: sum(components[name] for name, _, where in _COMPONENTS if q in where) for q in PHASES}
+    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if where(p)) for p in STEP_PHASES}
 
 
 @dataclass
@@ -164,7 +180,7 @@ class MemoryPlan:
     sync_bucket_gib: float
     runtime_gib: float
     phases: Dict[str, float]
-    """Total per phase: 'train', 'sync', 'rollout'."""
+    """Total per phase (``PHASES``: 'generate', ..., 'train', ..., 'resume_kv')."""
     peak_gib: float
     peak_phase: str
     fits: bool
@@ -174,7 +190,7 @@ class MemoryPlan:
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""
-        return [(label, {q: getattr(self, name) if q in where else 0.0 for q in PHASES})
+        return [(label, {p.name: getattr(self, name) if where(p) else 0.0 for p in STEP_PHASES})
                 for name, label, where in _COMPONENTS]
 
     def format(self) -> str:
@@ -198,19 +214,25 @@ class MemoryPlan:
         ]
         if L.colocated:
             lines.append(
-                f"  rollout  {L.engine} colocated, engine tp {L.engine_tp} -> {L.engine_instances} "
+                f"  rollout  {L.engine} on the trainer's GPUs, engine tp {L.engine_tp} -> {L.engine_instances} "
                 f"instances x {L.sequences_per_instance} sequences; KV {L.kv_bytes_per_token / 1024:.1f} "
                 f"KiB/token/GPU; full batch needs {L.kv_needed_gib:.1f} GiB, the pool holds "
                 f"{L.kv_concurrent_sequences} full-length sequences at once")
         else:
             lines.append(f"  rollout  {L.engine} on separate GPUs (not counted here), "
                          f"engine tp {L.engine_tp}")
+        lines.append(f"  replicas {L.replicas} engine replica(s), each generating its own slice of a step's prompts: "
+                     f"<= {L.prompts_per_replica} prompts x n samples per replica")
+        kept = (f", its engine rank keeps {L.sync_kept_gib:.1f} GiB (vLLM's loader takes full HF tensors and "
+                f"slices them itself)" if L.sync_kept_gib else "")
+        lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
+                     f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
-                  f"  {'component':<32}{'train':>9}{'sync':>9}{'rollout':>9}"]
+                  f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
             if any(per.values()):
-                lines.append(f"  {label:<32}" + "".join(f"{per[q]:>9.2f}" for q in PHASES))
-        lines.append(f"  {'total':<32}" + "".join(f"{self.phases[q]:>9.2f}" for q in PHASES))
+                lines.append(f"  {label:<32}" + "".join(f"{per[q]:>10.2f}" for q in PHASES))
+        lines.append(f"  {'total':<32}" + "".join(f"{self.phases[q]:>10.2f}" for q in PHASES))
         head = self.gpu_mem_gb - self.peak_gib
         verdict = f"fits, {head:.1f} GiB headroom" if self.fits else "DOES NOT FIT"
         lines += ["", f"Peak: {self.peak_gib:.1f} GiB ({self.peak_phase}) of "
@@ -273,7 +295,7 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
     opt_shards = dp * cp if p.distributed_optimizer else 1
 
     # Batches: a sequence is never split across micro-batches, only across CP ranks.
-    max_seq = cfg.data.max_prompt_length + r.max_new_tokens
+    max_seq = cfg.data.max_prompt_length + r.max_response_tokens
     mb_tokens = max(p.micro_batch_tokens, max_seq)
     s_local = math.ceil(mb_tokens / cp)
     responses = t.prompts_per_step // t.mini_batches_per_step * r.n
@@ -287,10 +309,12 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         flash_attention=a.flash_attention or p.recompute == "selective")
     layer_input = 2.0 * s_local * h / (tp if p.sequence_parallel else 1)
 
-    # Engine.
-    colocated = r.engine in COLOCATED_ENGINES or r.engine == "hf"
+    # Engine: on the trainer's GPUs unless it is a server attached through rollout.server_urls.
+    traits = ENGINE_TRAITS[r.engine]
+    colocated = traits.colocated or r.engine == "hf" or (traits.can_spawn and not r.server_urls)
     etp = 1 if r.engine == "hf" else r.tp
-    instances = world_size // etp if colocated else 0
+    # Colocated engines tile the world; hf and a spawned server generate the whole batch.
+    instances = (world_size // etp if traits.colocated else 1) if colocated else 0
     seqs = math.ceil(t.prompts_per_step * r.n / instances) if instances else 0
     kv_local = spec.num_query_groups / etp if r.engine != "hf" else spec.num_query_groups
     kv_local = max(kv_local, 1.0)
@@ -298,14 +322,14 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
     kv_per_token = 2.0 * L * kv_local * hd * kv_elem
     kv_needed = seqs * max_seq * kv_per_token / GiB
     eng_w = eng_kv = eng_ws = eng_sleep = 0.0
-    if r.engine in COLOCATED_ENGINES:
+    if colocated and r.engine != "hf":
         ec = _counts(spec, math.ceil(spec.vocab_size / etp) * etp, kv_heads=kv_local * etp)
         eng_w = 2 * ((ec.embedding + ec.output_layer + L * (ec.attention + ec.mlp)) / etp
                      + L * ec.norms + ec.final_norm) / GiB
         eng_ws, eng_sleep = a.engine_workspace_gib, a.engine_asleep_gib
         eng_kv = max(r.gpu_memory_utilization * gpu_mem_gb - eng_w - eng_ws, 0.0)
-    elif r.engine == "hf":  # no sleep mode: its copy stays while the trainer trains
-        eng_w = eng_sleep = counts.total * wbytes / GiB
+    elif r.engine == "hf":  # its release moves the weights to host memory: nothing stays
+        eng_w = counts.total * wbytes / GiB
         eng_kv = kv_needed
     concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
 
@@ -331,6 +355,12 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             activations_gib=act / GiB, logits_gib=logits / GiB,
             reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
     stage = max(stages, key=lambda i: max(_phase_totals(stages[i]).values()))
+    # Data-parallel rollout (rollout/data_parallel.py): a colocated engine's TP groups are its
+    # replicas, each generating its slice; a driver client is one (servers share its batch).
+    replicas = world_size // etp if traits.colocated else 1
+    # The TP all-gather of the export: (tp - 1) shards of each TP-split weight of the stage.
+    gathered = max((tp - 1) * (_stage_params(counts, pp, tp, i) - _stage_params(counts, pp, 10 ** 9, i))
+                   for i in stages) * wbytes
     phases = _phase_totals(stages[stage])
     peak_phase = max(PHASES, key=phases.get)
     layout = PlanLayout(
@@ -339,7 +369,10 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         layers_per_stage=L // pp, micro_batch_tokens=mb_tokens, tokens_per_cp_rank=s_local,
         num_micro_batches=n_micro, max_seq_len=max_seq, engine=r.engine, colocated=colocated,
         engine_tp=etp, engine_instances=instances, sequences_per_instance=seqs,
-        kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent)
+        kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent,
+        replicas=replicas, prompts_per_replica=math.ceil(t.prompts_per_step / replicas),
+        sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
+        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
                       fits=True, assumptions=a, **stages[stage])
@@ -350,7 +383,7 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             f"the {plan.peak_phase} phase needs {plan.peak_gib:.1f} GiB on pipeline stage {plan.stage}, "
             f"more than the {gpu_mem_gb:g} GiB of a GPU; largest part: {label} "
             f"{per[plan.peak_phase]:.1f} GiB ({_hint(label, cfg, dp)})")
-    if r.engine in COLOCATED_ENGINES:
+    if colocated and r.engine != "hf":
         budget = r.gpu_memory_utilization * gpu_mem_gb
         one_seq = max_seq * kv_per_token / GiB
         if eng_kv < one_seq:

@@ -4,15 +4,24 @@ Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare
 a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
 parallel plan and a per-GPU memory estimate without touching a GPU.
 
-One step reads like the algorithm:
+One step reads like the algorithm, phase by phase (``rollout/phases.py``, which the dry-run
+planner's memory model reads too):
 
-    prompts  -> rollout (n per prompt)            driver rank's engine
-             -> rewards -> advantages             reward pool; DAPO dynamic sampling
-             -> log-prob pass                      Megatron actor, every rank
-             -> STARE controller                   global token-mean entropy
-             -> update                             registered policy loss, Megatron optimizer
-             -> weight sync                        Megatron shards -> HF buckets -> engine
-             -> metrics, eval, checkpoint
+    1 generate     the engine: n responses per prompt          each replica its slice (spec.py)
+    2 gather       every rank receives the same samples         each replica's slice, all-gathered
+    3 score        each response scored once, scores shared     sharded over ranks; DAPO
+                   (1-3 repeat while dynamic sampling wants more groups: the same on every rank)
+    4 release      the engine frees its weights and KV cache    its supported sleep level
+    5 train        advantages -> log-prob pass -> STARE         Megatron actor, every rank
+                   controller -> update
+    6 resume_w     the engine restores its weight memory
+    7 sync         Megatron shards -> HF buckets -> engine
+    8 resume_kv    the engine restores its KV cache
+                   then metrics, eval, checkpoint
+
+Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
+run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.
+Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, else a failure.
 """
 
 from __future__ import annotations
@@ -21,21 +30,24 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
-
-DRIVER = 0  # the rank that owns the rollout engine, the reward pool and the logs
+from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
+from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
+                                           TRAIN, Phase)
+from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 
 
 class Trainer:
     """Builds every part from the config, then ``fit()`` runs the steps."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, preemption: Optional[Preemption] = None):
         from megatron_stare.actor import ActorSettings, MegatronActor
         from megatron_stare.algorithms.gepo import GepoShaper
         from megatron_stare.algorithms.stare import StareController
@@ -46,15 +58,19 @@ class Trainer:
         from megatron_stare.rewards import get_reward_fn
 
         self.cfg = cfg
+        # First (unless main() did it already): a preemption signal during the (long) set-up is
+        # recorded, not fatal, and the run stops at the first step boundary.
+        self.preemption = preemption if preemption is not None else Preemption.install()
+        self._owns_preemption = preemption is None  # main() keeps its handlers until the process ends
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
-        self.spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)
-        self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.spec))
+        self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.model_spec))
         self.rank = dist.get_rank()
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
@@ -62,64 +78,63 @@ class Trainer:
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap)
         ref_dir = m.ref_path or hf_dir
-        load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.spec, ref_dir))
+        load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)
-        self.actor = MegatronActor(self.spec, self.groups, settings,
-                                   lambda stage, g: load_hf_weights(stage, g, self.spec, hf_dir),
+        self.actor = MegatronActor(self.model_spec, self.groups, settings,
+                                   lambda stage, g: load_hf_weights(stage, g, self.model_spec, hf_dir),
                                    load_ref_weights=load_ref)
         self.controller = StareController(cfg.algorithm.stare)
         self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
         self.tokenizer = self._tokenizer(hf_dir)
         self.train_set, self.eval_set, self.sampler = self._data()
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
-        # A colocated engine (vllm, sglang) has a shard on every rank (vLLM's external_launcher:
-        # it joins the trainer's processes, its TP may differ from the trainer's); every rank
-        # then generates in lockstep and the driver's samples are the ones broadcast. Server
-        # engines and the embedded hf engine live on the driver only.
-        self.colocated = cfg.rollout.engine in ("vllm", "sglang")
-        self.engine = self.pool = None
-        if self.colocated or self.rank == DRIVER:
-            from megatron_stare.rewards import RewardPool
-            from megatron_stare.rollout import build_engine
+        self.phases_run: list = []  # this step's phases, in the order they ran
+        self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
+        # Every rank scores its share of each batch (rewards/sharded.py); the engine's spec
+        # says which ranks host an engine and which generate (rollout/spec.py).
+        from megatron_stare.rewards import RewardPool
+        from megatron_stare.rollout import EngineWorld, engine_for_rank
 
-            self.pool = RewardPool(cfg.reward)
-            self.engine = build_engine(cfg.rollout.engine, hf_dir, **self._engine_kwargs())
+        self.pool = RewardPool(cfg.reward)
+        self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
         self._resume()
+        self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
                                     start_step=self.start_step + 1)  # steps are logged 1-based
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> None:
+    def fit(self) -> Optional[int]:
+        """Run the steps; returns None when done, or the step a preemption stopped the run at."""
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
-        fault = int(os.environ.get("MEGATRON_STARE_FAULT_AT_STEP", "-1"))
+        stopped = None
         for step in range(self.start_step, self.cfg.trainer.total_steps):
-            if step == fault:
-                os._exit(137)  # fault injection for the resume tests: die like a SIGKILL
+            if self.preempted(step):
+                stopped = step
+                break
             self.step(step)
         self.close()
+        return stopped
 
     def step(self, step: int) -> dict:
+        """One step, phase by phase (see the module docstring)."""
         cfg, t0 = self.cfg, time.perf_counter()
-        with self.timer("rollout"):
-            samples, rollout_metrics = self.rollout(step)
-        with self.timer("logprob"):
-            batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
-            stats = self.actor.compute_logprobs(batches)
-            if self.gepo is not None:
-                self._shape_gepo(batches, len({s.group_id for s in samples}))
-        state = self.controller.update(stats.entropy)
-        dynamics = self.actor.entropy_diagnostics(batches, state)
-        with self.timer("update"):
-            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs)
-        self.skipped += result.skipped_steps
-        if result.skipped_steps and self.rank == DRIVER:
-            print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
-                  f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
-                  flush=True)
-        with self.timer("sync"):
-            self.sync_weights()
-        metrics = {**rollout_metrics, **result.metrics, **dynamics,
+        self.phases_run = []
+        samples, rollout = self.rollout(step)                     # 1-3 generate, gather, score
+        with self.phase(RELEASE):
+            if self.engine is not None:
+                self.engine.release_memory()                      # 4
+        with self.phase(TRAIN):
+            result, stats, state, dynamics = self.train(samples, step)  # 5
+        with self.phase(RESUME_WEIGHTS):
+            if self.engine is not None:
+                self.engine.resume_weights()                      # 6
+        with self.phase(SYNC):
+            self.sync_weights()                                   # 7
+        with self.phase(RESUME_KV):
+            if self.engine is not None:
+                self.engine.resume_kv_cache()                     # 8
+        metrics = {**rollout.metrics(), **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
                    "stare/entropy": stats.entropy,
                    # The gate only acts in the STARE loss; other losses log it as off.
@@ -131,8 +146,7 @@ class Trainer:
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             with self.timer("eval"):
                 metrics.update(self.evaluate(step))
-        # The rollout phase splits into generation (time/rollout) and scoring (time/reward).
-        metrics.update({k: v for k, v in self.timer.metrics().items() if k != "time/rollout"})
+        metrics.update(self.timer.metrics())
         metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
         self.logger.log(step + 1, metrics)
         c = cfg.checkpoint
@@ -144,26 +158,111 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, step: int):
-        """Driver generates and scores; every rank receives the same samples."""
-        from megatron_stare.generation import as_metrics, collect_samples
+    @contextmanager
+    def phase(self, p: Phase) -> Iterator[None]:
+        """Time phase ``p`` (``time/<name>``) and record that it ran."""
+        self.phases_run.append(p.name)
+        with self.timer(p.name):
+            yield
 
-        prompts = self.train_set.batch(self.sampler.next_batch())
-        payload = [None]
-        if self.engine is not None:
-            samples, stats = collect_samples(
-                self.engine, prompts, lambda: self.train_set.batch(self.sampler.next_batch()),
-                self.tokenizer, self.pool, self.cfg, seed=self.cfg.trainer.seed * 100_003 + step)
-            payload = [(samples, as_metrics(stats), self.sampler.state_dict())]
-            if self.rank != DRIVER:
-                payload = [None]
-        dist.broadcast_object_list(payload, src=DRIVER)
-        samples, metrics, sampler_state = payload[0]
-        self.sampler.load_state_dict(sampler_state)  # dynamic sampling may have drawn more
+    def rollout(self, step: int):
+        """Phases 1-3, repeated while DAPO dynamic sampling asks for more prompt groups. Every
+        rank runs this loop on the same gathered results and shared scores, so every rank draws
+        the same prompts, keeps the same groups and makes the same generate calls."""
+        from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
+
+        selector = GroupSelector(self.cfg)
+        generated: list = []  # every generation batch's results (multi-turn metrics)
+        while not selector.full:
+            prompts = self.train_set.batch(self.sampler.next_batch())
+            seed = (self.cfg.trainer.seed * 100_003 + step) * 1009 + selector.batches
+            params = sampling_params(self.engine_spec.sampling, seed=seed)
+            with self.phase(GENERATE):
+                results = self.generate(prompts, params)
+            with self.phase(GATHER):
+                results = self.gather(results, len(prompts), params.n)
+            with self.phase(SCORE):
+                shared = self.score(prompts, results)
+            selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
+                                     shared.crashes))
+            generated += results
+        samples, stats = selector.finish()
+        if self.cfg.rollout.multi_turn.env:
+            from megatron_stare.rollout.multiturn import multiturn_metrics
+
+            stats.multiturn = multiturn_metrics(generated)
         if not samples:
             raise RuntimeError(f"step {step}: no informative prompt groups after "
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
-        return samples, metrics
+        return samples, stats
+
+    def generate(self, prompts, params):
+        """Phase 1: each engine replica generates its own slice of the prompts, seeded by their
+        batch indices (``rollout/data_parallel.py``); None on ranks that do not generate."""
+        from megatron_stare.rollout.data_parallel import replica_slice
+
+        d = self.engine_spec.devices
+        if not d.generates:
+            return None
+        part = replica_slice(len(prompts), d.replica, d.replicas)
+        mt = self.cfg.rollout.multi_turn
+        if not mt.env:
+            return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+        from megatron_stare.envs import make_env
+        from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
+
+        def new_env(j: int):  # one environment per trajectory, reset with its task
+            env = make_env(mt.env, self.tokenizer, mt.env_options)
+            p = prompts[part[j]]
+            env.reset(p.token_ids, p.answer, p.metadata)
+            return env
+
+        return generate_multiturn(self.engine, [prompts[i].token_ids for i in part], params,
+                                  MultiTurnLimits(mt.max_turns, mt.max_total_tokens), new_env, prompt_indices=part)
+
+    def gather(self, results, num_prompts: int, n: int):
+        """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica
+        contributes), and checks it is the whole batch."""
+        from megatron_stare.rollout.data_parallel import check_prompt_major, gather_results
+
+        gathered = gather_results(results, self.engine_spec.devices.leads_replica)
+        check_prompt_major(gathered, num_prompts, n)
+        return gathered
+
+    def score(self, prompts, results):
+        """Phase 3: each response scored once on one rank, the scores shared by all ranks. A
+        multi-turn trajectory's score is its environment's reward (identical on every rank)."""
+        from megatron_stare.rewards.sharded import SharedScores, score_once
+
+        if self.cfg.rollout.multi_turn.env:
+            return SharedScores([float(r.env_reward) for r in results], 0, 0)
+
+        def item(i: int):
+            r = results[i]
+            p = prompts[r.prompt_index]
+            return self.tokenizer.decode(r.token_ids, skip_special_tokens=True), p.answer, p.metadata
+
+        return score_once(self.pool, len(results), item)
+
+    def train(self, samples, step: int):
+        """Phase 5: log-prob pass, GEPO shaping, STARE controller, update."""
+        cfg = self.cfg
+        with self.timer("logprob"):
+            batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
+            stats = self.actor.compute_logprobs(batches)
+            if self.gepo is not None:
+                self._shape_gepo(batches, len({s.group_id for s in samples}))
+        state = self.controller.update(stats.entropy)
+        plans = self.actor.loss_plans(batches, step, state)
+        dynamics = self.actor.entropy_diagnostics(batches, plans)
+        with self.timer("update"):
+            result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs, plans=plans)
+        self.skipped += result.skipped_steps
+        if result.skipped_steps and self.rank == DRIVER:
+            print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
+                  f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
+                  flush=True)
+        return result, stats, state, dynamics
 
     def _shape_gepo(self, batches, num_groups: int) -> None:
         from megatron_stare.algorithms.gepo import group_token_mean
@@ -185,9 +284,9 @@ class Trainer:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
         from megatron_stare.models.export import iter_hf_buckets
 
-        buckets = iter_hf_buckets(self.actor.model, self.groups, self.spec,
-                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
-                                  dst="all" if self.colocated else DRIVER)
+        buckets = iter_hf_buckets(self.actor.model, self.groups, self.model_spec,
+                                  bucket_bytes=self.engine_spec.sync_bucket_bytes,
+                                  dst="all" if self.engine_spec.traits.colocated else DRIVER)
         if self.engine is None:
             for _ in buckets:
                 pass
@@ -195,7 +294,7 @@ class Trainer:
         if not self.cfg.rollout.verify_sync:
             self.engine.update_weights_from_buckets(buckets)
             return
-        from megatron_stare.weight_sync.plan import compare_checksums, tensor_checksum
+        from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 
         expected = {}
 
@@ -206,19 +305,37 @@ class Trainer:
                 yield bucket
 
         self.engine.update_weights_from_buckets(watched())
-        compare_checksums(expected, self.engine.checksum(sorted(expected)))
+        bad = compare_checksums(expected, self.engine.checksum(sorted(expected)))
+        if bad:
+            raise RuntimeError(f"weight sync: the {self.engine.name} engine does not hold the trainer's "
+                               f"weights for {len(bad)} of {len(expected)} tensors (first: {bad[0]})")
+        self.verified_tensors = len(expected)
 
     def evaluate(self, step: int) -> dict:
-        from megatron_stare.generation import evaluate
+        """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
+        from megatron_stare.generation import ScoredBatch, eval_metrics, sampling_params
 
-        out = [None]
-        if self.engine is not None:
-            out = [evaluate(self.engine, list(self.eval_set), self.tokenizer, self.pool, self.cfg,
-                            seed=self.cfg.trainer.seed * 7919 + step)]
-            if self.rank != DRIVER:
-                out = [None]
-        dist.broadcast_object_list(out, src=DRIVER)
-        return out[0]
+        prompts = list(self.eval_set)
+        params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
+        results = self.gather(self.generate(prompts, params), len(prompts), params.n)
+        return eval_metrics(ScoredBatch(prompts, results, self.score(prompts, results).scores, params.n))
+
+    def preempted(self, step: int) -> bool:
+        """At a step boundary (``step`` steps done), collectively: did any rank get a preemption
+        signal? If so, save the finished step (unless it is saved already) and say so."""
+        sig = self.preemption.agreed(device=self.groups.device)
+        if sig is None:
+            return False
+        c = self.cfg.checkpoint
+        if c.dir and step > self.saved_step:
+            self.save(step)
+        if self.rank == DRIVER:
+            where = ("no checkpoint.dir: nothing saved" if not c.dir
+                     else "no step finished since the start" if step == self.start_step
+                     else f"saved {Path(c.dir).absolute() / f'step_{step:08d}'}")
+            print(f"[megatron-stare] preempted by {sig.name} after step {step}: {where}; rerun the same "
+                  f"command to resume (exit {PREEMPTED_EXIT_CODE})", flush=True)
+        return True
 
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
@@ -229,9 +346,10 @@ class Trainer:
         from megatron_stare.checkpoint import save_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.spec,
+        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
                         trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
                         hf_config=load_hf_config(self._hf_dir()))
+        self.saved_step = step
 
     def _resume(self) -> None:
         from megatron_stare.checkpoint import latest_complete, load_checkpoint
@@ -242,7 +360,8 @@ class Trainer:
         path = latest_complete(c.dir) if c.resume == "auto" else Path(c.resume)
         if path is None:
             return
-        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.spec)
+        state = load_checkpoint(path, actor=self.actor, groups=self.groups, spec=self.model_spec,
+                                verified=c.resume == "auto")
         self.start_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])
@@ -257,7 +376,7 @@ class Trainer:
         from megatron_stare.models.hf_export import write_hf_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        write_hf_checkpoint(self.actor.model, self.groups, self.spec,
+        write_hf_checkpoint(self.actor.model, self.groups, self.model_spec,
                             Path(self.cfg.checkpoint.dir) / f"hf_step_{step:08d}",
                             hf_config=load_hf_config(self._hf_dir()), side_files_dir=self._hf_dir(),
                             bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
@@ -284,20 +403,9 @@ class Trainer:
         sampler = PromptSampler(len(train), t.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
         return train, ev, sampler
 
-    def _engine_kwargs(self) -> dict:
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            return {"dtype": torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32}
-        max_len = self.cfg.data.max_prompt_length + r.max_new_tokens
-        if r.engine == "vllm":
-            world = dist.get_world_size()
-            dp = {"data_parallel_size": world // r.tp} if world > r.tp else {}
-            return {"seed": self.cfg.trainer.seed, "max_model_len": max_len, "tensor_parallel_size": r.tp,
-                    "distributed_executor_backend": "external_launcher", "dtype": self.cfg.model.dtype,
-                    "record_checksums": r.verify_sync, **dp}
-        return {"max_model_len": max_len}
-
     def close(self) -> None:
+        if self._owns_preemption:
+            self.preemption.close()
         self.logger.close()
         if self.pool is not None:
             self.pool.close()
@@ -320,15 +428,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra = ["--world-size", str(args.world_size or int(os.environ.get("WORLD_SIZE", "1"))),
                  "--gpu-mem-gb", str(args.gpu_mem_gb)]
         return plan.main(["--config", args.config, *extra, *args.overrides])
+    # Before anything slow: torchrun SIGTERMs every worker as soon as one exits. A user error is
+    # found on every rank but printed by rank 0 alone, so a rank 0 still importing when a faster
+    # rank exits must not die of that SIGTERM before its line: from here the signal is only
+    # recorded (preemption.py), and torchrun's SIGKILL follows after its shutdown timeout.
+    preemption = Preemption.install()
     try:
         cfg = validate_config(load_config(args.config, args.overrides),
                               world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
+        preemption.close()
         return 2
+    stopped = None
     try:
-        Trainer(cfg).fit()
+        stopped = Trainer(cfg, preemption).fit()
+        if stopped is not None:
+            # For the launch shell (torchrun exits 1 whatever its workers return). Written
+            # before any rank may exit: torchrun SIGTERMs the other workers as soon as one exits,
+            # so no rank leaves this barrier before every node's local rank 0 has written it.
+            write_status(PREEMPTED_EXIT_CODE)
+            if dist.is_initialized():
+                dist.barrier()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
         # detected identically on every rank before any collective: one line from rank 0. A
@@ -342,7 +464,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+        # A preempted run keeps its handlers (they only record) until the process ends: the first
+        # rank to exit makes torchrun SIGTERM the others, and one still shutting down must exit
+        # 75 like the rest, not die of that signal.
+        if stopped is None:
+            preemption.close()
+    return PREEMPTED_EXIT_CODE if stopped is not None else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Typed state that crosses module boundaries: rollout samples and padded micro-batches."""
+"""Typed state that crosses module boundaries: rollout samples and micro-batches (padded rows,
+optionally with the packed row the model runs on)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,6 +30,9 @@ class Sample:
     """Per response token log-prob reported by the rollout engine (for mismatch metrics / TIS)."""
     finish_reason: str = "stop"
     metadata: Dict = field(default_factory=dict)
+    loss_mask: Optional[List[int]] = None
+    """Per response token: 1 trained on (the model's tokens), 0 not (a multi-turn trajectory's
+    tool / environment tokens, which still go through the forward pass). None: all 1."""
 
     @property
     def num_tokens(self) -> int:
@@ -36,12 +40,47 @@ class Sample:
 
 
 @dataclass
+class PackedRow:
+    """The model's view of a packed micro-batch: its sequences end to end in one row (this
+    context-parallel rank's part of it), and where each token lands in the ``[B, L]`` fields.
+
+    Sequence ``i`` fills a slot of ``slot_lens[i]`` tokens: its ``seq_lens[i]`` tokens, then
+    padding (to a multiple of ``2*cp`` under CP; the last slot also pads the row to the multiple
+    sequence parallel needs). Under CP each slot is cut into ``2*cp`` chunks and this rank holds
+    chunks ``cp_rank`` and ``2*cp-1-cp_rank`` of every slot, as transformer-engine's THD layout.
+    """
+
+    input_ids: Tensor
+    """``[1, t]`` this rank's tokens of the row."""
+    position_ids: Tensor
+    """``[1, t]`` each token's position within its sequence."""
+    targets: Tensor
+    """``[1, t]`` the next token of each (0 at padding)."""
+    index: Tensor
+    """``[B, L]`` int64: the row position of each cell of the micro-batch's ``[B, L]`` fields
+    (0 for cells past a sequence's end, which are masked)."""
+    seq_lens: Tuple[int, ...]
+    """Tokens of each sequence (global, before the CP split)."""
+    slot_lens: Tuple[int, ...]
+    """Slot of each sequence in the row (global, before the CP split)."""
+
+    def to(self, device) -> "PackedRow":
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor):
+                setattr(self, name, value.to(device, non_blocking=True))
+        return self
+
+
+@dataclass
 class MicroBatch:
-    """A right-padded micro-batch of whole sequences, ``[B, L]`` unless noted.
+    """A micro-batch of whole sequences, one right-padded row each: ``[B, L]`` unless noted.
 
     Position ``t`` of ``targets`` is token ``t + 1`` of the sequence, predicted from position
     ``t``; ``loss_mask`` marks the targets that are response tokens. Padding is at the end, so
-    causal attention keeps it out of every real position.
+    causal attention keeps it out of every real position. Under context parallelism each row
+    holds this rank's chunks of its sequence. With ``packed`` the model runs on the packed row
+    instead and its per-token results are gathered into this layout (``PackedRow.index``); the
+    losses, plans and selections read the ``[B, L]`` fields either way.
     """
 
     input_ids: Tensor
@@ -63,17 +102,27 @@ class MicroBatch:
     sum_p2: Optional[Tensor] = None
     sum_p2_logp: Optional[Tensor] = None
     ref_logp: Optional[Tensor] = None
+    packed: Optional[PackedRow] = None
+    """The packed row the model runs on (``parallel.pack_sequences``); None: the padded rows."""
 
     def to(self, device) -> "MicroBatch":
-        """Move every tensor field to ``device`` (in place); returns self."""
+        """Move every tensor field (and the packed row) to ``device`` (in place); returns self."""
         for name, value in vars(self).items():
             if isinstance(value, Tensor):
                 setattr(self, name, value.to(device, non_blocking=True))
+        if self.packed is not None:
+            self.packed.to(device)
         return self
 
     @property
     def shape(self):
+        """``(B, L)`` of the per-token fields."""
         return tuple(self.input_ids.shape)
+
+    @property
+    def model_shape(self):
+        """``(batch, length)`` of what the model runs on: ``(1, t)`` packed, else ``shape``."""
+        return tuple(self.packed.input_ids.shape) if self.packed is not None else self.shape
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
 from megatron_stare.algorithms.stare import broadcast_advantages
-from megatron_stare.ops.selection import TopKThreshold, topk_mask, topk_threshold
+from megatron_stare.ops.selection import KSpec, TopKThreshold, topk_mask, topk_threshold
 
 _M32 = 0xFFFFFFFF
 _FIXED_SCALE = float(2**24)
@@ -113,8 +113,12 @@ class CovSelection:
     k: int
 
 
-def _threshold(values: Tensor, keys: Tensor, cand: Tensor, k: int, group) -> Optional[TopKThreshold]:
-    return topk_threshold(values[cand], keys[cand], k, group=group) if k > 0 else None
+def _threshold(values: Tensor, keys: Tensor, cand: Tensor, k: KSpec, group) -> Optional[TopKThreshold]:
+    """``k``: an int, or a function of the global candidate count (no separate count all-reduce)."""
+    if isinstance(k, int) and k == 0:
+        return None
+    thr = topk_threshold(values[cand], keys[cand], k, group=group)
+    return thr if thr.k else None
 
 
 def _apply(thr: Optional[TopKThreshold], values: Tensor, keys: Tensor, cand: Tensor) -> Tensor:
@@ -140,10 +144,10 @@ def clip_cov_global_selection(old_logp, advantages, mask, token_keys, *, lb, ub,
     """Clip-Cov plan from this rank's WHOLE mini-batch ``[N, T]``; collective over ``dp_group``."""
     means = exact_masked_means(old_logp, advantages, mask, dp_group=dp_group)
     cand = clip_cov_candidates(token_cov(old_logp, advantages, mask, means), lb, ub)
-    n_cand = int(all_reduce_sum(cand.sum(dtype=torch.int64).reshape(1), dp_group))
-    k = min(max(1, floor_frac(means.num_valid, ratio)), n_cand)
+    k_of = lambda n_cand: min(max(1, floor_frac(means.num_valid, ratio)), n_cand)  # noqa: E731
     u = token_uniform(token_keys, seed, step)
-    return CovSelection(means=means, threshold=_threshold(u, token_keys, cand, k, dp_group), k=k)
+    thr = _threshold(u, token_keys, cand, k_of, dp_group)
+    return CovSelection(means=means, threshold=thr, k=thr.k if thr else 0)
 
 
 @torch.no_grad()

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_stare.algorithms.aggregation import all_reduce_sum
 from megatron_stare.algorithms.config import StareConfig
-from megatron_stare.ops.selection import TopKThreshold, topk_mask, topk_threshold
+from megatron_stare.ops.selection import TopKThreshold, topk_mask, topk_thresholds
 
 
 def stare_k(n: int, p: float) -> int:
@@ -127,14 +126,6 @@ def candidate_sets(advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return valid & (a > 0), valid & (a < 0)
 
 
-def _global_threshold(s: Tensor, keys: Tensor, cand: Tensor, p: float, group) -> tuple[Optional[TopKThreshold], int]:
-    n = all_reduce_sum(cand.sum(dtype=torch.int64).reshape(1), group)
-    k = stare_k(int(n), p)
-    if k == 0:
-        return None, 0
-    return topk_threshold(s[cand], keys[cand], k, group=group), k
-
-
 @torch.no_grad()
 def stare_global_selection(
     old_logp: Tensor,
@@ -152,11 +143,13 @@ def stare_global_selection(
     """
     s = -old_logp.detach()
     t_pos, t_neg = candidate_sets(advantages, mask)
-    pos, k_pos = _global_threshold(s, token_keys, t_pos, cfg.top_p, dp_group)
-    neg, k_neg = (None, 0)
-    if cfg.variant == "C2":
-        neg, k_neg = _global_threshold(s, token_keys, t_neg, cfg.top_p, dp_group)
-    return StareSelection(pos=pos, neg=neg, k_pos=k_pos, k_neg=k_neg)
+    sets = (t_pos, t_neg) if cfg.variant == "C2" else (t_pos,)
+    # k from each set's global size; C2's two thresholds share every collective.
+    k_of = lambda n: stare_k(n, cfg.top_p)  # noqa: E731
+    thr = topk_thresholds([(s[c], token_keys[c], k_of) for c in sets], group=dp_group)
+    pos = thr[0] if thr[0].k else None
+    neg = thr[1] if len(thr) > 1 and thr[1].k else None
+    return StareSelection(pos=pos, neg=neg, k_pos=thr[0].k, k_neg=thr[1].k if len(thr) > 1 else 0)
 
 
 def _select(thr: Optional[TopKThreshold], s: Tensor, keys: Tensor, cand: Tensor) -> Tensor:

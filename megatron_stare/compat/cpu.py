@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places. ``apply()`` patches exactly those, and only
 when ``torch.cuda.is_available()`` is False; on a GPU machine it does nothing. Every patch is
 idempotent and tolerant of the megatron-core versions we support (0.16 through 0.19): a
-module or attribute that a version lacks is skipped, never an error. The six patches, as
+module or attribute that a version lacks is skipped, never an error. The patches, as
 measured in ``shared/docs/cpu-recipe.md``:
 
 1. ``torch.cuda.current_device`` -> ``"cpu"``. Megatron allocates buffers with
@@ -28,9 +28,18 @@ measured in ``shared/docs/cpu-recipe.md``:
 7. ``Tensor.cuda()`` returns the tensor itself: megatron-core calls ``weight.data.cuda()`` when
    it ties the embedding of the first and last pipeline stage
    (``LanguageModule.setup_embeddings_and_output_layer``); on CPU "the current device" is CPU.
+8. ``optimizer_type_checks``: the constructors of ``DistributedOptimizer`` and of the bf16/fp16
+   ``Float16OptimizerWithFloat16Params`` sort parameters into fp32 and 16-bit groups by their
+   type string and reject anything but ``torch.cuda.{Float,Half,BFloat16}Tensor``. While those
+   two constructors run (and only then), ``Parameter.type()`` reports a CPU parameter with the
+   CUDA spelling of its own dtype, so the sorting is the one CUDA would do.
 
-Not covered, because they are GPU-only paths by design: sequence parallel, the distributed
-optimizer, the bf16/fp16 mixed-precision optimizer and context parallel.
+With these, the distributed optimizer and bf16 params with fp32 main params run on CPU gloo
+ranks. Sequence parallel needs no patch here: its blocker is Megatron's torch norm, which does
+not mark its weights for the TP gradient all-reduce; our layer spec uses a norm that does
+(``models/layer_specs.py``). Context parallel and packed sequences need no patch here beyond
+RoPE's chunk index (patch 3): megatron-core's local ``DotProductAttention`` refuses both, and
+the local spec uses ``models/torch_attention.py`` instead.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ CUDA_FACTORY_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
     "megatron.core.transformer.utils",
+    # RoPE under context parallel: ``get_pos_emb_on_this_cp_rank`` builds its chunk index
+    # with ``pin_memory=True`` (refused without CUDA) and moves it with ``.cuda()`` (patch 7).
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 _FACTORIES = (
@@ -252,6 +264,50 @@ def _patch_clip_grads() -> None:
             mod.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
 
 
+def _cuda_type_string(self, dtype=None, non_blocking: bool = False, **kwargs):
+    """``Parameter.type()`` as the optimizers' constructors see it on CPU (patch 8): the CUDA
+    spelling of a CPU parameter's own type; any conversion call is torch's own."""
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return torch.Tensor.type(self).replace("torch.", "torch.cuda.", 1)
+    return torch.Tensor.type(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _params_report_cuda_types():
+    had = "type" in vars(torch.nn.Parameter)
+    saved = vars(torch.nn.Parameter).get("type")
+    torch.nn.Parameter.type = _cuda_type_string
+    try:
+        yield
+    finally:
+        if had:
+            torch.nn.Parameter.type = saved
+        else:
+            del torch.nn.Parameter.type
+
+
+def _reporting_cuda_types(init):
+    def __init__(self, *args, **kwargs):
+        with _params_report_cuda_types():
+            init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    __init__._megatron_stare_cpu = True
+    return __init__
+
+
+def _patch_optimizer_type_checks() -> None:
+    targets = (("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+               ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"))
+    for module, name in targets:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if not getattr(cls.__init__, "_megatron_stare_cpu", False):
+            cls.__init__ = _reporting_cuda_types(cls.__init__)
+
+
 #: The patches by name, in the order of the module docstring.
 PATCHES = {
     "current_device": _patch_current_device,
@@ -261,6 +317,7 @@ PATCHES = {
     "synchronize": _patch_synchronize,
     "streams": _patch_streams,
     "tensor_cuda": _patch_tensor_cuda,
+    "optimizer_type_checks": _patch_optimizer_type_checks,
 }
 
 

@@ -71,23 +71,25 @@ def sft_target(row: Row, rng: random.Random) -> str:
     return " " + (rng.choice(sols.split("|")) if sols else row["answer"])
 
 
-def _encode(tok, row: Row, rng: random.Random) -> tuple:
+def encode_answer(tok, row: Row, rng: Optional[random.Random] = None) -> tuple:
+    """``(token ids, labels)`` of ``prompt + sft_target(row) + EOS``, labels -100 on the prompt
+    (without ``rng``: the row's ``answer``)."""
     prompt = tok(row["prompt"])["input_ids"]
-    target = tok(sft_target(row, rng))["input_ids"] + [tok.eos_token_id]
-    return prompt, target
+    target = tok(sft_target(row, rng) if rng is not None else " " + row["answer"])["input_ids"] + [tok.eos_token_id]
+    return prompt + target, [-100] * len(prompt) + target
 
 
-def _batch(tok, rows: Sequence[Row], rng: random.Random) -> tuple:
-    """Right-padded ``input_ids``/``labels``/``attention_mask`` ``[B, T]``; labels only on the answer."""
-    pairs = [_encode(tok, r, rng) for r in rows]
-    t = max(len(p) + len(a) for p, a in pairs)
+def _batch(tok, rows: Sequence[Row], encode=encode_answer) -> tuple:
+    """Right-padded ``input_ids``/``labels``/``attention_mask`` ``[B, T]``; ``encode(tok, row)``
+    gives each row's ``(token ids, labels)`` (-100 where nothing is trained)."""
+    pairs = [encode(tok, r) for r in rows]
+    t = max(len(seq) for seq, _ in pairs)
     ids = torch.full((len(rows), t), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), t), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, (p, a) in enumerate(pairs):
-        seq = p + a
+    for i, (seq, lab) in enumerate(pairs):
         ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, len(p):len(seq)] = torch.tensor(a)
+        labels[i, :len(seq)] = torch.tensor(lab)
         mask[i, :len(seq)] = 1
     return ids, labels, mask
 
@@ -139,10 +141,15 @@ def measure_policy(model, tok, rows: Sequence[Row], *, seed: int, samples_per_pr
 
 
 def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows: Sequence[Row],
-              settings: SftSettings, *, seed: int, log=print, score_fn: Optional[ScoreFn] = None) -> PolicyStats:
-    """Fit ``base_dir``'s model on ``train_rows`` (targets from ``sft_target``), stop at
-    ``settings.stop_accuracy`` on ``probe_rows`` (scored with ``score_fn``, default
-    ``exact_match``), write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats."""
+              settings: SftSettings, *, seed: int, log=print, encode=None, probe=None,
+              score_fn: Optional[ScoreFn] = None) -> PolicyStats:
+    """Fit ``base_dir``'s model on ``train_rows``, stop at ``settings.stop_accuracy`` on
+    ``probe_rows``, write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats.
+
+    ``encode(tok, row) -> (token ids, labels)``: what a row trains (default: ``encode_answer``
+    with the run's rng, so each step draws one of a row's ``solutions``). ``probe(model, tok,
+    rows, seed) -> PolicyStats``: the sampled accuracy the stop rule reads (default:
+    ``measure_policy``, one single-turn sample per row, scored with ``score_fn``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -152,11 +159,16 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     rng = random.Random(seed)
     s = settings
-    stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed, max_new_tokens=s.max_new_tokens,
-                           score_fn=score_fn)
+    if encode is None:
+        def encode(tok, row):
+            return encode_answer(tok, row, rng)
+    if probe is None:
+        def probe(model, tok, rows, seed):
+            return measure_policy(model, tok, rows, seed=seed, max_new_tokens=s.max_new_tokens, score_fn=score_fn)
+    stats = probe(model, tok, probe_rows[:s.probe_prompts], seed)
     t0, step = time.perf_counter(), 0
     while step < s.max_steps and stats.accuracy < s.stop_accuracy:
-        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size), rng)
+        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size), encode)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -164,8 +176,8 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
         opt.step()
         step += 1
         if step % s.eval_every == 0 or step == s.max_steps:
-            stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed + step,
-                                   max_new_tokens=s.max_new_tokens, score_fn=score_fn)
+            stats = probe(model, tok, probe_rows[:s.probe_prompts], seed + step)
+            model.train()
             took = time.perf_counter() - t0
             # An upper bound: the run stops earlier once the probe reaches stop_accuracy.
             eta = format_duration(took / step * (s.max_steps - step))

@@ -8,6 +8,13 @@ padding, which depends on TP, is re-padded with zeros: Megatron marks embeddings
 wrapped in megatron-core's fully-parallel save wrapper so data-parallel replicas split the
 writing; both work on CPU/gloo.
 
+Optimizer state (``save_optimizer`` / ``load_optimizer``) goes through Megatron's sharded
+optimizer state too, beside the LR schedule. Megatron's plain optimizers key every Adam moment
+(and bf16's fp32 main params) by its model parameter, so their state loads at any TP/PP/DP layout.
+The distributed optimizer uses sharding type ``dp_reshardable`` (one tensor per gradient bucket,
+fully parallel, no gather): its state loads at any DP degree with the same TP/PP. After loading
+weights, ``load_optimizer`` and ``reload_main_params`` keep the fp32 main params in step with them.
+
 Atomicity: ranks write into ``<parent>/.<name>.partial``; after Megatron's final barrier rank 0
 writes ``megatron_stare.json`` (spec, HF config, saved layout) and renames the directory to its
 final name, then all ranks meet at a barrier. A directory without ``megatron_stare.json`` or
@@ -30,6 +37,7 @@ import torch.distributed as dist
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
+from megatron_stare.preemption import PREEMPTION_SIGNALS
 
 META_FILE = "megatron_stare.json"
 MEGATRON_META = "metadata.json"
@@ -66,11 +74,48 @@ def read_meta(ckpt_dir: PathLike) -> CheckpointMeta:
         missing = [f for f in (META_FILE, MEGATRON_META) if not (d / f).is_file()]
         raise ValueError(f"checkpoint {d} is incomplete (missing {', '.join(missing)}): the save "
                          f"did not finish; use an earlier checkpoint")
-    raw = json.loads((d / META_FILE).read_text())
+    try:
+        raw = json.loads((d / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint file {d / META_FILE} cannot be read ({type(e).__name__}: {e})") from None
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {d} has format_version {raw.get('format_version')}, "
                          f"this code reads {FORMAT_VERSION}")
     return CheckpointMeta(**raw)
+
+
+def start_writer_results_queue() -> None:
+    """Start megatron-core's checkpoint-writer results queue, deaf to preemption signals.
+
+    megatron-core 0.16.1's ``FileSystemWriterAsync`` collects write results through a
+    ``multiprocessing`` Manager: a spawned server process, made on the rank's first save and kept
+    for the process's life (``filesystem_async._get_write_results_queue``). It lives in the rank's
+    process group, where torchrun's ``killpg`` delivers the preemption signal (``preemption.py``),
+    and its default action would end it: mid-start if the signal comes during the first save (the
+    save then fails with ``EOFError``; seen in CI), or before the very save the signal asks for.
+
+    So the server is started here with the preemption signals blocked: a spawned child inherits
+    the blocked mask through ``exec``, so those signals stay pending there, never delivered. In
+    this process they are only held back (not lost) and are delivered when the mask is restored.
+    The Manager ends with this process (its finalizer) or with a SIGKILL. Idempotent.
+    """
+    import signal
+    from multiprocessing import resource_tracker
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    signals = set(PREEMPTION_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        # The resource tracker (spawned first) unblocks SIGINT/SIGTERM in this thread when it
+        # starts: start it first, then block again for the Manager.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        filesystem_async._get_write_results_queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGroups,
@@ -94,6 +139,7 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
             shutil.rmtree(tmp)  # left by an interrupted save
         tmp.mkdir(parents=True)
     dist.barrier()
+    start_writer_results_queue()
     strategy = get_default_save_sharded_strategy()
     if fully_parallel and groups.layout.dp > 1:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -163,4 +209,130 @@ def load_model(model: torch.nn.Module, ckpt_dir: PathLike, spec: Optional[GPTSpe
     inner = unwrap(model)
     state = load_sharded(inner.sharded_state_dict(), ckpt_dir)
     inner.load_state_dict(state)
+    return meta
+
+
+#: The distributed optimizer's checkpoint format: bucket-sharded, reshardable across DP.
+DISTRIBUTED_OPTIMIZER_SHARDING = "dp_reshardable"
+
+
+def optimizer_format(optimizer) -> str:
+    """``distributed:<sharding type>`` for Megatron's DistributedOptimizer, else ``model_space``
+    (plain Megatron optimizers key their state by model parameter)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    if any(isinstance(o, DistributedOptimizer) for o in subs):
+        return f"distributed:{DISTRIBUTED_OPTIMIZER_SHARDING}"
+    return "model_space"
+
+
+def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading: bool) -> dict:
+    model_sd = unwrap(model).sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING}
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+
+
+def save_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,
+                   out_dir: PathLike, spec: GPTSpec) -> Path:
+    """Save the optimizer's state (Adam moments, main params, step) and the LR schedule as one
+    Megatron distributed checkpoint (collective, all ranks). ``model`` is the DDP-wrapped or
+    bare stage the optimizer was built over."""
+    lay = groups.layout
+    meta = CheckpointMeta(spec=dataclasses.asdict(spec),
+                          saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+                          extra={"optimizer_format": optimizer_format(optimizer)})
+    state = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=False),
+             "scheduler": scheduler.state_dict()}
+    return save_sharded(state, out_dir, groups, meta)
+
+
+def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: PathLike) -> None:
+    """ValueError (one line) when optimizer state saved as ``meta`` cannot load into an optimizer
+    of format ``fmt`` (``optimizer_format``) at ``layout``."""
+    saved = meta.extra.get("optimizer_format")
+    if saved != fmt:
+        raise ValueError(f"optimizer state in {where} was saved as {saved!r}, this run uses {fmt!r}; "
+                         f"set parallel.distributed_optimizer as when it was saved")
+    old = meta.saved_layout
+    if fmt.startswith("distributed:") and (old.get("tp"), old.get("pp")) != (layout.tp, layout.pp):
+        raise ValueError(f"distributed-optimizer state in {where} was saved at tp={old.get('tp')} "
+                         f"pp={old.get('pp')}; it loads at any DP degree but needs the same tp/pp "
+                         f"(this run: tp={layout.tp} pp={layout.pp})")
+
+
+def reload_main_params(optimizer) -> None:
+    """Copy the model's weights into the optimizer's fp32 main params (bf16 training keeps
+    separate ones; a no-op for fp32 params). Call after loading weights into the model."""
+    optimizer.reload_model_params()
+
+
+def _torch_adams(optimizer):
+    """The torch Adam optimizers inside Megatron's distributed optimizer(s) of ``optimizer``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(opt, DistributedOptimizer) and isinstance(inner, torch.optim.Adam):
+            yield opt, inner
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own, loaded Adam ``step`` after a distributed-optimizer load.
+
+    On megatron-core's torch-Adam path (no TE/Apex) the step count is saved in the param groups;
+    ``DistributedOptimizer.load_state_dict`` then puts ONE step tensor into every parameter's
+    state, and the ``dp_reshardable`` parameter-state load copies into it the loading side's own
+    placeholder step (a non-persistent entry), i.e. 0. Left so, Adam's bias correction restarts
+    after a resume, and torch's foreach Adam would increment the shared tensor once per
+    parameter. Each parameter gets a fresh tensor (same dtype and device) holding the saved count.
+    """
+    for _, inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if p in inner.state:
+                    old = inner.state[p].get("step")
+                    where = ({"dtype": old.dtype, "device": old.device} if isinstance(old, torch.Tensor)
+                             else {"dtype": torch.float32})
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), **where)
+
+
+def _allocate_torch_adam_state(optimizer) -> None:
+    """Give a fresh DistributedOptimizer over torch's Adam its state, as a first step would.
+
+    Without transformer-engine or Apex, megatron-core's distributed optimizer runs torch's Adam
+    and its ``state_dict()`` reads Adam's per-parameter ``step``, which does not exist before the
+    first step; the loading request (``sharded_state_dict(is_loading=True)``) calls it. The
+    allocated zeros are all overwritten by the load.
+    """
+    for opt, inner in _torch_adams(optimizer):
+        if len(inner.state) == 0 and opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,
+                   ckpt_dir: PathLike) -> CheckpointMeta:
+    """Load the state ``save_optimizer`` wrote into ``optimizer`` and ``scheduler`` (collective).
+
+    Load the weights into ``model`` first: the main params are refreshed from them, then
+    overwritten by the saved fp32 main params where the format holds them.
+    """
+    meta = read_meta(ckpt_dir)
+    check_optimizer_compatible(meta, optimizer_format(optimizer), groups.layout, ckpt_dir)
+    reload_main_params(optimizer)
+    _allocate_torch_adam_state(optimizer)
+    request = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=True),
+               "scheduler": scheduler.state_dict()}
+    loaded = load_sharded(request, ckpt_dir)
+    # With fp32 params the distributed optimizer's main params are views of the (grad-requiring)
+    # weights, which megatron-core's dp_reshardable load copies into in place.
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
+    scheduler.load_state_dict(loaded["scheduler"])
     return meta

@@ -1,15 +1,21 @@
 """Streaming export: a Megatron model on any TP/PP layout -> HF ``(name, tensor)`` buckets.
 
     for bucket in iter_hf_buckets(model, groups, spec, bucket_bytes=512 << 20, dst="all"):
-        engine.load(bucket)          # bucket: list of (hf_name, tensor), plus bucket.flat
+        engine.load(bucket)          # bucket: a weight_sync.FlatBucket of (hf_name, tensor) views
 
 No rank ever holds the whole model. Pipeline stages take turns (stage 0 first); within a stage
 every canonical tensor is all-gathered over TP one at a time (``sharding.gather_canonical``),
 converted to HF names/layouts by the architecture mapping, and copied into a flat byte buffer
-of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own). A full buffer is
-one bucket: moved to the destination in ONE transfer (a small header, then the bytes), and
-yielded as views into that buffer. Peak extra memory per rank: one bucket buffer plus the
-tensor being converted (its TP parts and its HF pieces).
+of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own;
+``weight_sync.pack_stream``). A full buffer is one bucket in the project's one bucket format
+(``weight_sync.FlatBucket``): moved to the destination in ONE transfer in the one wire protocol
+(``weight_sync.wire``: sizes, JSON header, the bytes), and yielded as views into that buffer.
+Buffers come from a two-slot ``StagingBuffer`` and are reused once the consumer dropped every
+view of a bucket, so a consumer may keep one bucket in flight (an async send: the weight-sync
+sender, a pipeline stage's ``isend`` to ``dst``) while the next is gathered and packed. Peak
+extra memory per rank: two bucket buffers (one when the consumer drops each bucket before asking
+for the next) plus the tensor being converted (the reused TP gather / concatenation buffers and
+its HF pieces).
 
 Destinations (``dst``):
 - ``"all"``: every rank yields every bucket. Each stage broadcasts its buckets over its pipeline
@@ -19,11 +25,20 @@ Destinations (``dst``):
   other data-parallel replicas do nothing.
 
 Every rank of the job must iterate the generator to its end (collectives inside).
+
+Volume per rank per sync with ``dst="all"`` (a colocated engine): each rank receives ``(tp - 1)``
+shards of every TP-split weight of its stage in the all-gather, and yields the WHOLE HF model
+(``benchmarks/bench_rollout_dp.py``: Megatron TP2 -> vLLM TP2, each rank gathers 0.5x and
+receives 1.0x the model's bytes; its engine rank keeps about 1/2). Even where the engine's TP
+layout equals the trainer's, this cannot be cut with vLLM 0.32: its loaders
+(``weight_loader`` / ``reload_weights``) take full HF tensors and narrow them to the TP rank
+themselves, and it has no entry point for pre-sharded tensors. For the 32B recipe that is 61 GiB
+received per rank per sync (``--dry-run`` prints it).
 """
 
 from __future__ import annotations
 
-import pickle
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple, Union
 
@@ -34,8 +49,9 @@ from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import full_shape, gather_canonical, local_params
 from megatron_stare.parallel import ParallelGroups, group_ranks
-
-_ALIGN = 64  # byte offset of every tensor in a bucket, so dtype views of the bytes are legal
+from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,
+                                        recv_bucket, recv_link, send_bucket, send_bucket_async, send_end,
+                                        send_link)
 
 
 @dataclass
@@ -50,18 +66,23 @@ class ExportStats:
     max_tensor_bytes: int = 0
     peak_live_bytes: int = 0
     in_flight: int = 0  # bytes of the tensor being converted right now (and its HF pieces)
+    gather_seconds: float = 0.0  # in the TP all-gathers and unsharding (this stage)
+    convert_seconds: float = 0.0  # HF renaming/splitting and dtype casts
+    pack_seconds: float = 0.0  # copying HF tensors into the flat buffers
+    handoff_seconds: float = 0.0  # receiving other stages' buckets (the PP hand-off, on dst)
 
     def live(self, nbytes: int) -> None:
         self.peak_live_bytes = max(self.peak_live_bytes, nbytes)
 
+    def copied(self, tensor_bytes: int, buffer_bytes: int) -> None:
+        self.max_tensor_bytes = max(self.max_tensor_bytes, tensor_bytes)
+        self.live(buffer_bytes + self.in_flight)
 
-class Bucket(list):
-    """A list of HF ``(name, tensor)`` pairs whose tensors are views into ``self.flat``
-    (``[nbytes]`` uint8); ``meta`` is ``[(name, dtype, shape, offset, nbytes)]``."""
-
-    def __init__(self, flat: torch.Tensor, meta: list) -> None:
-        super().__init__((name, _view(flat, dtype, shape, off, n)) for name, dtype, shape, off, n in meta)
-        self.flat, self.meta = flat, meta
+    def packed(self, bucket: FlatBucket) -> None:
+        self.num_buckets += 1
+        self.num_tensors += len(bucket)
+        self.total_bytes += sum(m.nbytes for m in bucket.metas)
+        self.max_bucket_bytes = max(self.max_bucket_bytes, bucket.nbytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -69,19 +90,24 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _view(flat: torch.Tensor, dtype: str, shape, off: int, n: int) -> torch.Tensor:
-    return flat[off: off + n].view(getattr(torch, dtype)).view(shape)
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional[torch.dtype],
                    stats: ExportStats) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered one canonical tensor at a time (collective)."""
     mapping = mapping_for(spec)
-    for canon, full in gather_canonical(model, groups.tp_group, groups.layout.tp):
+    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp, reuse=True)
+    while True:
+        t0 = time.perf_counter()
+        item = next(gathered, None)
+        t1 = time.perf_counter()
+        stats.gather_seconds += t1 - t0
+        if item is None:
+            return
+        canon, full = item
         pieces = [(n, t if dtype is None else t.to(dtype)) for n, t in mapping.to_hf(canon, full)]
+        stats.convert_seconds += time.perf_counter() - t1
         yield from _accounted(pieces, full, stats)
 
 
@@ -92,80 +118,46 @@ def _accounted(pieces, full, stats):
     stats.in_flight = 0
 
 
-def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[Bucket]:
+def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[FlatBucket]:
     """Pack this stage's HF tensors into flat buckets of at most ``bucket_bytes``."""
     # Upper bound of what is left to pack, so a small model never allocates a huge buffer.
     esize = torch.tensor([], dtype=dtype).element_size() if dtype is not None else None
-    remaining = sum(
+    bound = sum(
         _aligned(torch.Size(full_shape(p, groups.layout.tp)).numel() * (esize or p.element_size()))
         * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1)
         for local, _, p in local_params(model))
     stats.in_flight = 0
-    flat, meta, used = None, [], 0
-    for name, t in _stage_tensors(model, groups, spec, dtype, stats):
-        n = _nbytes(t)
-        if flat is not None and used + n > flat.numel():
-            yield _finish(flat, meta, used, stats)
-            flat, meta, used = None, [], 0
-        if flat is None:
-            flat = torch.empty(max(min(bucket_bytes, remaining), n), dtype=torch.uint8,
-                               device=groups.device)
-        flat[used: used + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        meta.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape), used, n))
-        remaining -= _aligned(n)
-        used = min(_aligned(used + n), flat.numel())
-        stats.max_tensor_bytes = max(stats.max_tensor_bytes, n)
-        stats.live(flat.numel() + stats.in_flight)
-    if meta:
-        yield _finish(flat, meta, used, stats)
+    buckets = pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
+                          size_bound=bound, on_copy=stats.copied, staging=StagingBuffer(groups.device, slots=2))
+    while True:
+        # Time in pack_stream that is not the producer's (gather, convert) is packing.
+        before = stats.gather_seconds + stats.convert_seconds
+        t0 = time.perf_counter()
+        bucket = next(buckets, None)
+        stats.pack_seconds += time.perf_counter() - t0 - (stats.gather_seconds + stats.convert_seconds - before)
+        if bucket is None:
+            return
+        stats.packed(bucket)
+        yield bucket
+        del bucket
 
 
-def _finish(flat, meta, used, stats) -> Bucket:
-    flat = flat[:used]
-    stats.num_buckets += 1
-    stats.num_tensors += len(meta)
-    stats.total_bytes += sum(m[4] for m in meta)
-    stats.max_bucket_bytes = max(stats.max_bucket_bytes, used)
-    return Bucket(flat, meta)
-
-
-def _send(bucket: Optional[Bucket], to: Optional[int], group, device) -> None:
-    """Send (``to`` a rank) or broadcast (``to`` None, src = this rank) one bucket, or the
-    end-of-stage marker (``bucket`` None): sizes ``[header bytes, flat bytes]``, header, bytes."""
-    if bucket is None:
-        parts = [torch.zeros(2, dtype=torch.int64, device=device)]
-    else:
-        head = torch.frombuffer(bytearray(pickle.dumps(bucket.meta)), dtype=torch.uint8).to(device)
-        sizes = torch.tensor([head.numel(), bucket.flat.numel()], dtype=torch.int64, device=device)
-        parts = [sizes, head, bucket.flat]
-    for t in parts:
-        if to is None:
-            dist.broadcast(t, src=dist.get_rank(), group=group)
-        else:
-            dist.send(t, dst=to)
-
-
-def _recv(src: int, broadcast: bool, group, device) -> Optional[Bucket]:
-    """Receive one bucket from global rank ``src``; None at the end of its stage."""
-    def get(t):
-        if broadcast:
-            dist.broadcast(t, src=src, group=group)
-        else:
-            dist.recv(t, src=src)
-        return t
-
-    sizes = get(torch.zeros(2, dtype=torch.int64, device=device)).tolist()
-    if sizes[0] == 0:
-        return None
-    head = get(torch.empty(sizes[0], dtype=torch.uint8, device=device))
-    meta = pickle.loads(head.cpu().numpy().tobytes())
-    return Bucket(get(torch.empty(sizes[1], dtype=torch.uint8, device=device)), meta)
+def _received(link, dev, staging: StagingBuffer, stats: ExportStats) -> Iterator[FlatBucket]:
+    """Another stage's buckets as they arrive over ``link`` (the PP hand-off)."""
+    while True:
+        t0 = time.perf_counter()
+        bucket = recv_bucket(link, dev, staging)
+        stats.handoff_seconds += time.perf_counter() - t0
+        if bucket is None:
+            return
+        yield bucket
+        del bucket  # hold no bucket while the next one arrives
 
 
 def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: int = 512 << 20,
                     *, dst: Union[str, int] = "all", dtype: Optional[torch.dtype] = None,
-                    stats: Optional[ExportStats] = None) -> Iterator[Bucket]:
-    """Yield the model's HF tensors as ``Bucket`` lists on the destination rank(s).
+                    stats: Optional[ExportStats] = None) -> Iterator[FlatBucket]:
+    """Yield the model's HF tensors as ``FlatBucket``s on the destination rank(s).
 
     ``dst``: ``"all"`` or a global rank (see the module docstring). ``dtype`` casts every
     tensor (e.g. to bf16 for the engine) before packing; default keeps the parameter dtype.
@@ -181,20 +173,22 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
     local = _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats)
 
+    # Received buckets land in two reused buffers (one may still be in flight to an engine).
+    staging = StagingBuffer(dev, slots=2)
     if dst == "all":
         for s in range(pp):
+            link = group_link(groups.pp_group, dist.get_group_rank(groups.pp_group, pp_ranks[s])) \
+                if pp > 1 else None
             if s == groups.pp_rank:
                 for bucket in local:
-                    if pp > 1:
-                        _send(bucket, None, groups.pp_group, dev)
+                    if link is not None:
+                        send_bucket(link, bucket, dev)
                     yield bucket
                     del bucket  # hold no bucket while the next one is built
-                if pp > 1:
-                    _send(None, None, groups.pp_group, dev)
+                if link is not None:
+                    send_end(link, dev)
             else:
-                while (bucket := _recv(pp_ranks[s], True, groups.pp_group, dev)) is not None:
-                    yield bucket
-                    del bucket
+                yield from _received(link, dev, staging, stats)
         return
 
     if dst not in group_ranks(groups.mp_group):
@@ -204,15 +198,18 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
             pass
         return
     if me != dst:
+        in_flight = None  # bucket k travels to dst while bucket k+1 is gathered and packed
         for bucket in local:
-            _send(bucket, dst, None, dev)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = send_bucket_async(send_link(dst), isend_link(dst), bucket, dev)
             del bucket
-        _send(None, dst, None, dev)
+        if in_flight is not None:
+            in_flight.wait()
+        send_end(send_link(dst), dev)
         return
     for s in range(pp):
         if s == groups.pp_rank:
             yield from local
         else:
-            while (bucket := _recv(pp_ranks[s], False, None, dev)) is not None:
-                yield bucket
-                del bucket
+            yield from _received(recv_link(pp_ranks[s]), dev, staging, stats)

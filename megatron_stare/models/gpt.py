@@ -3,7 +3,9 @@
 ``GPTSpec`` holds what Megatron needs to know about a decoder-only transformer (Qwen2/2.5,
 Llama 2/3, Qwen3 all fit). The HF ``config.json`` -> ``GPTSpec`` step lives with each
 architecture's mapping; this module only turns a spec into the local pipeline stage of a
-Megatron model on this rank (local layer spec without transformer-engine, TE spec with it).
+Megatron model on this rank: transformer-engine's layer spec where TE and CUDA exist, else
+the local spec with our norms and our torch attention (``layer_specs``, ``torch_attention``),
+which run sequence parallel, context parallel and packed sequences.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def transformer_config(spec: GPTSpec, tp: int, pp: int, *, dtype: torch.dtype = torch.float32,
+def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, recompute: Optional[str] = None, **overrides):
-    """The megatron-core ``TransformerConfig`` for ``spec`` at tensor/pipeline degrees tp, pp."""
+    """The megatron-core ``TransformerConfig`` for ``spec`` at tensor/pipeline/context degrees
+    tp, pp, cp. Megatron's RoPE reads ``context_parallel_size`` to give each CP rank the
+    positions of its chunks; attention reads the CP group."""
     from megatron.core.transformer import TransformerConfig
 
     kwargs = dict(
@@ -84,6 +88,7 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, dtype: torch.dtype = 
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -107,19 +112,25 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, dtype: torch.dtype = 
 
 
 def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: bool,
-                    tp: int, use_te: Optional[bool] = None):
-    """This rank's pipeline stage of the model (weights randomly initialised by Megatron)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+                    tp: int, use_te: Optional[bool] = None, attention: Optional[str] = None):
+    """This rank's pipeline stage of the model (weights randomly initialised by Megatron).
 
-    if use_te is None:
-        use_te = have_transformer_engine() and torch.cuda.is_available()
+    ``attention``: ``"te"`` (transformer-engine's spec), ``"torch"`` or ``"megatron"`` (the local
+    spec with that core attention, ``layer_specs.CORE_ATTENTION``); None: ``"te"`` where TE and
+    CUDA exist (or ``use_te``), else ``"torch"``.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megatron_stare.models.layer_specs import local_block_spec
+
+    if attention is None:
+        if use_te is None:
+            use_te = have_transformer_engine() and torch.cuda.is_available()
+        attention = "te" if use_te else "torch"
+    # The local spec's norms are ours (layer_specs.TorchNorm): they support sequence parallel.
     layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-                  if use_te else
-                  get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"))
+                  if attention == "te" else local_block_spec(config, spec.qk_layernorm, attention=attention))
     rope = dict(rotary_base=int(spec.rotary_base))
     if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "linear":
         # HF divides the frequencies by the factor; Megatron divides the positions (same angle).

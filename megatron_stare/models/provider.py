@@ -59,18 +59,20 @@ def model_shape(spec: GPTSpec) -> ModelShape:
 
 
 def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dtype = torch.float32,
-                      use_te: Optional[bool] = None, **config_overrides):
+                      use_te: Optional[bool] = None, attention: Optional[str] = None, **config_overrides):
     """(this rank's GPTModel stage, its TransformerConfig) at ``groups.layout``.
 
     Weights are Megatron's random init; load them with ``load_hf_weights`` or a distributed
-    checkpoint. ``use_te`` defaults to transformer-engine's layer spec when TE and CUDA exist.
+    checkpoint. ``use_te``/``attention``: see ``gpt.build_gpt_stage`` (transformer-engine's
+    layer spec when TE and CUDA exist, else the local spec with the torch attention).
     """
     lay = groups.layout
     lay.validate(shape=model_shape(spec))
-    cfg = transformer_config(spec, lay.tp, lay.pp, dtype=dtype,
+    cfg = transformer_config(spec, lay.tp, lay.pp, cp=lay.cp, dtype=dtype,
                              sequence_parallel=lay.sequence_parallel, **config_overrides)
     model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
-                            post_process=groups.is_last_stage, tp=lay.tp, use_te=use_te)
+                            post_process=groups.is_last_stage, tp=lay.tp, use_te=use_te,
+                            attention=attention)
     return model.to(groups.device), cfg
 
 

@@ -24,13 +24,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.ops.vocab_parallel import (
+    GradCoefs,
     LogProbOutput,
     VocabShard,
-    all_reduce,
     check_target_range,
     compute_dtype,
-    entropy_logit_grad,
-    finish_stats,
+    reduce_and_finish,
+    rescale_stats,
     resolve_shard,
     shifted_stats,
     validate_common,
@@ -39,26 +39,15 @@ from megatron_stare.ops.vocab_parallel import (
 __all__ = ["fused_linear_logprobs_entropy"]
 
 
-def _rescale(state: Tensor, m_old: Tensor, m_new: Tensor) -> Tensor:
-    """Re-express a ``[R, 4]`` (S, A, B, C) state relative to max ``m_old`` against ``m_new``.
-
-    ``e^{z-m_new}(z-m_new) = r e^{z-m_old}((z-m_old) + d)`` with ``r = e^{m_old-m_new}``,
-    ``d = m_old - m_new``; rows with ``m_old = -inf`` hold zeros and must stay zeros (d := 0).
-    """
-    d = m_old - m_new
-    r = d.exp()
-    d = torch.where(torch.isneginf(m_old), 0.0, d)
-    s, a, b, c = state.unbind(1)
-    r2 = r.square()
-    return torch.stack((r * s, r * (a + d * s), r2 * b, r2 * (c + d * b)), 1)
-
-
-def _tile_logits(hc: Tensor, w_tile: Tensor, temperature: float, cd: torch.dtype) -> Tensor:
-    """``[R, n]`` logits of one tile in the compute dtype (matmul in the input dtype)."""
-    z = (hc @ w_tile.T).to(cd)
+def _tile_logits(hc: Tensor, w_tile: Tensor, temperature: float, out: Tensor) -> Tensor:
+    """``out [R, n]``: logits of one tile in the compute dtype (matmul in the input dtype)."""
+    if hc.dtype == out.dtype:
+        torch.matmul(hc, w_tile.T, out=out)
+    else:
+        out.copy_(hc @ w_tile.T)
     if temperature != 1.0:
-        z.div_(temperature)
-    return z
+        out.div_(temperature)
+    return out
 
 
 def _forward(hidden, weight, targets, shard: VocabShard, temperature, need_ent, need_sens, chunk,
@@ -71,6 +60,11 @@ def _forward(hidden, weight, targets, shard: VocabShard, temperature, need_ent, 
     ent = new() if need_ent else None
     p2 = new() if need_sens else None
     p2l = new() if need_sens else None
+    # One set of tile buffers for the whole call (no fresh pages per tile).
+    shape = (min(chunk, T), min(vchunk, max(shard.n_valid, 1)))
+    zbuf = torch.empty(shape, dtype=cd, device=dev)
+    work = torch.empty(shape, dtype=cd, device=dev) if need_ent or need_sens else None
+    work2 = torch.empty(shape, dtype=cd, device=dev) if need_sens else None
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         hc = hidden[s:e]
@@ -80,21 +74,20 @@ def _forward(hidden, weight, targets, shard: VocabShard, temperature, need_ent, 
         zt = torch.zeros(e - s, dtype=cd, device=dev)
         for v0 in range(0, shard.n_valid, vchunk):
             v1 = min(v0 + vchunk, shard.n_valid)
-            z = _tile_logits(hc, weight[v0:v1], temperature, cd)
+            z = _tile_logits(hc, weight[v0:v1], temperature, zbuf[: e - s, : v1 - v0])
             in_tile = hit & (idx >= v0) & (idx < v1)
             zt += torch.where(in_tile, z.gather(1, (idx - v0).clamp(0, v1 - v0 - 1)[:, None])
                               .squeeze(1), 0.0)
             m_tile = z.amax(1)
             m_new = torch.maximum(m, m_tile)
             tile = torch.zeros_like(state)
-            shifted_stats(z.sub_(m_tile[:, None]), tile, need_ent, need_sens)
-            state = _rescale(state, m, m_new) + _rescale(tile, m_tile, m_new)
+            shifted_stats(z.sub_(m_tile[:, None]), tile, need_ent, need_sens,
+                          None if work is None else work[: e - s, : v1 - v0],
+                          None if work2 is None else work2[: e - s, : v1 - v0])
+            state = rescale_stats(state, m, m_new) + rescale_stats(tile, m_tile, m_new)
             m = m_new
-        m_local = m.clone()
-        all_reduce(m, dist.ReduceOp.MAX, shard.group)
-        sums = torch.cat((torch.where(hit, zt - m, 0.0)[:, None], _rescale(state, m_local, m)), 1)
-        all_reduce(sums, dist.ReduceOp.SUM, shard.group)
-        r = finish_stats(m, sums, need_ent, need_sens)
+        sums = torch.cat(((zt - m)[:, None], state), 1)
+        r = reduce_and_finish(m, sums, hit, shard, need_ent, need_sens)
         for dst, src in zip((logp, lse, ent, p2, p2l), r):
             if dst is not None:
                 dst[s:e] = src
@@ -106,33 +99,44 @@ def _backward(hidden, weight, targets, shard, temperature, lse, h, g_lp, g_h, ch
     T = hidden.shape[0]
     cd = compute_dtype(hidden.dtype)
     dev = hidden.device
+    same = hidden.dtype == cd  # fp32/fp64: matmuls accumulate straight into the gradients
     dh = torch.zeros_like(hidden) if need_dh else None
     # Accumulate the weight gradient over T-chunks in the compute dtype (fp32 for bf16 weights).
     dw = torch.zeros(weight.shape, dtype=cd, device=dev) if need_dw else None
+    coefs = GradCoefs.build(T, cd, dev, temperature, g_lp, g_h, h)
+    idx_all, hit_all = shard.local_targets(targets)
+    onehot = torch.where(hit_all, coefs.onehot, 0.0)
+    shape = (min(chunk, T), min(vchunk, max(shard.n_valid, 1)))
+    gbuf = torch.empty(shape, dtype=cd, device=dev)
+    work = None if coefs.c1 is None else torch.empty(shape, dtype=cd, device=dev)
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
+        rs = slice(s, e)
         hc = hidden[s:e]
-        idx, hit = shard.local_targets(targets[s:e])
-        gl = torch.zeros(e - s, dtype=cd, device=dev) if g_lp is None else g_lp[s:e].to(cd)
-        gh = None if g_h is None else g_h[s:e].to(cd)
-        hrow = None if h is None else h[s:e]
-        dhc = torch.zeros(hc.shape, dtype=cd, device=dev) if need_dh else None
+        idx, hit = idx_all[rs], hit_all[rs]
+        dhc = None
+        if need_dh:
+            dhc = dh[s:e] if same else torch.zeros(hc.shape, dtype=cd, device=dev)
         for v0 in range(0, shard.n_valid, vchunk):
             v1 = min(v0 + vchunk, shard.n_valid)
             w = weight[v0:v1]
-            gz = _tile_logits(hc, w, temperature, cd).sub_(lse[s:e, None])
-            entropy_logit_grad(gz, gl, gh, hrow)
+            gz = _tile_logits(hc, w, temperature, gbuf[: e - s, : v1 - v0]).sub_(lse[rs, None])
+            coefs.apply_(gz, rs, None if work is None else work[: e - s, : v1 - v0])
             in_tile = hit & (idx >= v0) & (idx < v1)
             gz.scatter_add_(1, (idx - v0).clamp(0, v1 - v0 - 1)[:, None],
-                            torch.where(in_tile, gl, 0.0)[:, None])
-            if temperature != 1.0:
-                gz.div_(temperature)
+                            torch.where(in_tile, onehot[rs], 0.0)[:, None])
+            if same:
+                if need_dh:
+                    dhc.addmm_(gz, w)
+                if need_dw:
+                    dw[v0:v1].addmm_(gz.T, hc)
+                continue
             gz = gz.to(hidden.dtype)  # matmuls run in the input dtype, accumulate in cd
             if need_dh:
                 dhc += gz @ w
             if need_dw:
                 dw[v0:v1] += gz.T @ hc
-        if need_dh:
+        if need_dh and not same:
             dh[s:e] = dhc
     return dh, None if dw is None else dw.to(weight.dtype)
 
@@ -181,7 +185,7 @@ def fused_linear_logprobs_entropy(
     entropy_grad: bool = False,
     with_sensitivity: bool = False,
     chunk_size: int = 1024,
-    vocab_chunk_size: int = 4096,
+    vocab_chunk_size: int = 1024,
 ) -> LogProbOutput:
     """Same results as :func:`vocab_parallel_logprobs_entropy` on ``hidden @ weight.T``.
 
@@ -192,7 +196,8 @@ def fused_linear_logprobs_entropy(
             >= ``valid_vocab_size`` are padding and are skipped.
         targets, tp_group, vocab_start, valid_vocab_size, temperature, with_entropy, entropy_grad,
         with_sensitivity: as for :func:`vocab_parallel_logprobs_entropy`.
-        chunk_size: rows of ``hidden`` per tile; vocab_chunk_size: weight rows per tile.
+        chunk_size: rows of ``hidden`` per tile; vocab_chunk_size: weight rows per tile (the
+            defaults: 4 MiB fp32 tiles, measured as fast as larger ones, docs/performance.md).
 
     Returns:
         :class:`LogProbOutput` (``[T]`` tensors, fp32; fp64 for fp64 inputs). Gradients: ``hidden``

@@ -4,25 +4,38 @@ Used for the STARE / Clip-Cov / KL-Cov token selection with ``global`` scope: th
 exact k-th largest surprisal over the whole optimizer mini-batch, whatever the data-/context-
 parallel layout and micro-batch split.
 
-Algorithm: each float is mapped to an order-preserving integer key (its IEEE bits with the
-magnitude bits flipped for negatives; -0.0 is first folded into +0.0). A most-significant-digit
-radix select then fixes ``radix_bits`` bits per pass: every rank histograms the digit of its
-still-candidate keys, the ``2**radix_bits`` histogram is all-reduced (SUM), every rank walks the
-same global histogram from the top and keeps (compacts) only the keys in the chosen bin. Only the
-bits in which the global min and max keys differ are resolved, so fp32 values take at most
-``ceil(32 / radix_bits)`` passes (fp64: 64 bits). Message sizes are ``O(2**radix_bits)`` and
-``O(world_size)``, independent of the number of tokens.
+Algorithm: each float is mapped to an order-preserving integer key (its IEEE bits when
+non-negative, minus its magnitude bits when negative, so -0.0 and +0.0 both map to 0). Then, per
+problem:
+
+1. One all-gather carries every rank's stats (count, key range, k, errors), its best ``eager``
+   items (all of them when it has no more) and a histogram of the top ``COARSE_BITS`` bits of its
+   order keys. If the ``k``-th best of the gathered items is strictly above the value at which
+   every truncated rank cut its list, no unsent item can reach it and it is the exact threshold:
+   one collective (always the case when every rank has at most ``eager`` items, and for small
+   ``k`` at any size).
+2. Otherwise the summed histograms give the coarse bin that holds the threshold (a first radix
+   pass, with exact per-rank counts). While a gather of the remaining candidates would receive
+   more than ``gather_max`` items per rank, a most-significant-digit radix pass fixes
+   ``radix_bits`` more bits: every rank histograms the digit of its candidates, the
+   ``2**radix_bits`` histogram is all-reduced (SUM), every rank walks the same global histogram
+   from the top and keeps only the candidates in the chosen bin.
+3. The remaining candidates are all-gathered and resolved locally.
+
+Messages are therefore ``O(eager + 2**COARSE_BITS + 2**radix_bits + gather_max)`` per rank,
+independent of the number of tokens. Several problems (STARE C2's two thresholds:
+:func:`topk_thresholds`) share every collective. The machinery is in ``ops.radix_select``.
 
 Ties. Exactly ``k`` items are selected. Among items with equal value, the one with the SMALLER
 int64 token key wins (the key should be a layout-independent global id, e.g.
 ``sample_id * max_len + position``). The selected set is therefore a function of the multiset of
 ``(value, key)`` pairs only, identical for every distribution of tokens over ranks and
-micro-batches.
-When the tie must be broken, a second radix select runs over the keys of the tied items; if keys
-tied at the threshold are duplicated the rule cannot give exactly ``k`` and a ValueError is raised.
+micro-batches. When the tie must be broken, the radix continues over the bits of the tied items'
+keys (or they are gathered); if keys tied at the threshold are duplicated the rule cannot give
+exactly ``k`` and a ValueError is raised. Every path gives the same threshold, bit for bit.
 
 Errors (NaN values, a local shape/dtype problem, ``k`` outside ``[0, n]``, ranks disagreeing on
-``k`` or dtype) are detected after one small all-gather, so every rank raises the same ValueError
+``k`` or dtype) are detected after the first all-gather, so every rank raises the same ValueError
 rather than some ranks deadlocking in a collective.
 
 ``group=None`` means a single process (no communication); pass ``dist.group.WORLD`` explicitly for
@@ -32,18 +45,37 @@ the default group.
 from __future__ import annotations
 
 import operator
-import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["TopKThreshold", "kth_largest", "topk_mask", "topk_threshold"]
+from megatron_stare.ops.radix_select import (
+    INT64_MAX,
+    INT64_MIN,
+    Problem,
+    gather_rows,
+    host,
+    key_to_float,
+    kth_key,
+    order_keys,
+    run,
+    span,
+    top_digits,
+)
 
-INT64_MIN = -(1 << 63)
-INT64_MAX = (1 << 63) - 1
+__all__ = ["KSpec", "TopKThreshold", "kth_largest", "topk_mask", "topk_threshold", "topk_thresholds"]
+
+# Defaults chosen by measurement (benchmarks/bench_selection.py, docs/performance.md).
+RADIX_BITS = 16
+GATHER_MAX = 1 << 16  # item slots a gather may receive per rank (12 bytes each for fp32)
+EAGER = 1 << 11  # best items per rank and problem sent with the first all-gather
+COARSE_BITS = 10  # top bits of the order keys histogrammed in the first all-gather
+N_STATS = 9  # per-rank stats of one problem (see _local)
+
+KSpec = Union[int, Callable[[int], int]]
 
 
 @dataclass(frozen=True)
@@ -69,114 +101,79 @@ class TopKThreshold:
             raise ValueError(f"values {tuple(values.shape)} and keys {tuple(keys.shape)} differ")
         if self.k == 0:
             return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
-        return (values > self.value) | ((values == self.value) & (keys <= self.key))
+        if self.key == INT64_MAX:  # no tie to break: the same set, in one pass
+            return values >= self.value
+        return torch.where(values == self.value, keys <= self.key, values > self.value)
 
 
-def _order_keys(values: Tensor) -> Tuple[Tensor, int]:
-    """Order-preserving int64 keys ``[N]`` of float values and the key width (32 or 64 bits).
+@dataclass
+class _Local:
+    """This rank's part of one problem before the first all-gather."""
 
-    fp64 uses its 64-bit pattern; every narrower float is exactly representable in fp32 and uses
-    the 32-bit pattern (fewer radix passes). Requires no NaN.
-    """
-    if values.dtype == torch.float64:
-        v = torch.where(values == 0, 0.0, values)  # fold -0.0 into +0.0: they compare equal
-        b = v.view(torch.int64)
-        return b ^ ((b >> 63) & INT64_MAX), 64
-    v = values.to(torch.float32)
-    v = torch.where(v == 0, 0.0, v)
-    b = v.view(torch.int32).to(torch.int64)
-    return b ^ ((b >> 31) & 0x7FFFFFFF), 32
+    okeys: Optional[Tensor]
+    digit: Optional[Tensor]
+    msg: Tensor
 
 
-def _key_to_float(key: int, width: int) -> float:
-    """Inverse of :func:`_order_keys` for one key (Python ints, exact)."""
-    if width == 64:
-        bits = key ^ INT64_MAX if key < 0 else key
-        return struct.unpack("<d", struct.pack("<q", bits))[0]
-    bits = key ^ 0x7FFFFFFF if key < 0 else key
-    return struct.unpack("<f", struct.pack("<i", bits))[0]
-
-
-def _all_gather_rows(row: List[int], device, group) -> List[List[int]]:
-    """All-gather one small int64 row per rank (``O(world)`` message); returns rows by rank."""
-    t = torch.tensor(row, dtype=torch.int64, device=device)
-    if group is None or dist.get_world_size(group) == 1:
-        return [row]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [o.tolist() for o in out]
-
-
-def _radix_kth(keys: Tensor, kmin: int, kmax: int, need: int, n_cand: int, group,
-               bits: int) -> Tuple[int, int, int]:
-    """The ``need``-th largest of int64 ``keys [N_local]`` over ``group`` (``1 <= need <= n_cand``).
-
-    ``kmin``/``kmax``: global min/max of the keys; ``n_cand``: their global count. Returns
-    ``(key, n_equal, n_take)``: the key, how many keys equal it, and how many of those the
-    top-``need`` set takes.
-    """
-    u = keys
-    # Work on u = key - base >= 0 so only the bits where kmin and kmax differ need resolving.
-    # If kmax - kmin overflows int64 (fp64 values of both signs) use the sign-flipped bit pattern.
-    if kmax - kmin <= INT64_MAX:
-        base = kmin
-        u = u - kmin
-    else:
-        base = INT64_MIN
-        u = u ^ INT64_MIN
-    umin, umax = kmin - base, kmax - base
-    width = (umin ^ umax).bit_length()
-    prefix = (umin >> width) << width  # bits shared by all candidates
-    if width == 0:
-        return kmin, n_cand, need
-    nb = 1 << bits
-    n_pass = -(-width // bits)
-    remaining, n_equal = need, 0
-    for i in range(n_pass):
-        shift = bits * (n_pass - 1 - i)
-        # The first digit may be narrower than `bits`: keep only bits below `width`.
-        digit = (u >> shift) & ((1 << min(bits, width - shift)) - 1)
-        hist = torch.zeros(nb, dtype=torch.int64, device=keys.device)
-        hist.scatter_add_(0, digit, torch.ones_like(digit))
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(hist, group=group)
-        h = hist.cpu()
-        above = h.flip(0).cumsum(0)  # above[j]: count in the top j+1 bins
-        j = int(torch.searchsorted(above, torch.tensor([remaining])).item())
-        b = nb - 1 - j
-        remaining -= int(above[j]) - int(h[b])
-        n_equal = int(h[b])
-        prefix |= b << shift
-        if i + 1 < n_pass:
-            u = u[digit == b]  # only keys with this digit stay candidates; the set shrinks
-    return prefix + base, n_equal, remaining
-
-
-def _prologue(values: Tensor, keys: Optional[Tensor], k: int, group, who: str):
-    """Local checks plus one all-gather of per-rank stats; raises the same ValueError everywhere.
-
-    Returns ``(order_keys [N], width, n_global, kmin, kmax)``.
-    """
+def _local(values: Tensor, keys: Optional[Tensor], k: KSpec, eager: int, world: int) -> _Local:
+    """Local checks and the first message of one problem, int64 words: stats ``[n, problem, nan,
+    width, k, key_min, key_max, cut, n_sent]``, ``eager`` order-key slots and (with keys) as many
+    token-key slots, padded with INT64_MIN (below every order key), then the coarse histogram as
+    int32 pairs. A rank with at most ``eager`` items sends them all and nothing else (the others
+    derive its histogram and key range when they need them); a rank with more sends its best
+    ``eager``, the order key ``cut`` of the worst of them, its key range and its histogram; none
+    of its items when ``k`` exceeds what ``world`` ranks send (they cannot decide it then).
+    The op count matters as much as the bytes for small inputs: every torch call costs
+    microseconds, as much as the data itself at 1K values per rank."""
+    n_bins = 1 << COARSE_BITS
     problem = 0
     if values.dim() != 1 or not values.dtype.is_floating_point:
         problem = 1
     elif keys is not None and (keys.shape != values.shape or keys.dtype != torch.int64):
         problem = 2
-    okeys, width, has_nan, kmin, kmax = None, 0, 0, INT64_MAX, INT64_MIN
+    elif values.numel() >= 2 ** 31:  # the histogram counts are int32
+        problem = 3
+    row = [0, problem, 0, 0, k if isinstance(k, int) else -1,  # a callable k: -1 on every rank
+           INT64_MAX, INT64_MIN, INT64_MIN, 0]
+    size = N_STATS + (1 if keys is None else 2) * eager + n_bins // 2
+    msg = torch.full((size,), INT64_MIN, dtype=torch.int64, device=values.device)
+    okeys = digit = None
     if problem == 0:
-        has_nan = int(bool(values.isnan().any()))
-        if not has_nan:
-            okeys, width = _order_keys(values)
-            if okeys.numel():
-                kmin, kmax = (int(x) for x in torch.aminmax(okeys))
-    rows = _all_gather_rows([values.numel() if problem == 0 else 0, problem, has_nan, width, k,
-                             kmin, kmax], values.device, group)
+        row[0], row[2] = values.numel(), int(bool(values.isnan().any()))
+    if problem == 0 and not row[2]:
+        okeys, row[3] = order_keys(values)
+        sent_ok, sent_keys = okeys, keys
+        if okeys.numel() > eager:  # send the best `eager`; every unsent one is <= the cut
+            row[7] = INT64_MAX
+            sent_ok = sent_keys = okeys[:0]
+            if eager and not (isinstance(k, int) and k > world * eager):
+                top = torch.topk(okeys, eager, sorted=False)
+                sent_ok, row[7] = top.values, int(top.values.min())
+                sent_keys = None if keys is None else keys[top.indices]
+            if keys is not None:
+                row[5:7] = (int(x) for x in torch.aminmax(keys))
+            digit = top_digits(okeys, row[3], COARSE_BITS)
+            msg[size - n_bins // 2 :].view(torch.int32)[:] = torch.bincount(digit,
+                                                                            minlength=n_bins)
+        row[8] = m = sent_ok.numel()
+        if m:
+            # narrow + copy_: a tenth of the dispatch cost of slice assignment
+            msg.narrow(0, N_STATS, m).copy_(sent_ok)
+            if keys is not None:
+                msg.narrow(0, N_STATS + eager, m).copy_(sent_keys)
+    msg.narrow(0, 0, N_STATS).copy_(torch.tensor(row))  # Python ints: int64, no conversion
+    return _Local(okeys, digit, msg)
+
+
+def _check(rows: List[List[int]], keys: Optional[Tensor], k: KSpec, who: str) -> Tuple[int, int]:
+    """Raise the same ValueError on every rank for a problem any rank has; ``(n, k)``."""
     ranks = lambda col: [r for r, row in enumerate(rows) if row[col]]  # noqa: E731
+    if any(row[1] == 3 for row in rows):
+        raise ValueError(f"{who}: more than 2**31 - 1 values on one rank; split the call")
     if ranks(1):
         raise ValueError(
             f"{who}: rank(s) {ranks(1)} passed bad inputs: values must be a 1-D float tensor"
-            + ("" if keys is None else " and keys an int64 tensor of the same shape")
-        )
+            + ("" if keys is None else " and keys an int64 tensor of the same shape"))
     if ranks(2):
         raise ValueError(f"{who}: NaN values on rank(s) {ranks(2)}; selection needs non-NaN values")
     n = sum(row[0] for row in rows)
@@ -184,14 +181,106 @@ def _prologue(values: Tensor, keys: Optional[Tensor], k: int, group, who: str):
         raise ValueError(f"{who}: ranks passed different k: {[row[4] for row in rows]}")
     if len({row[3] for row in rows if row[0]}) > 1:
         raise ValueError(f"{who}: ranks passed values of different float widths (fp64 vs fp32)")
+    k = operator.index(k if isinstance(k, int) else k(n))
     if not 0 <= k <= n:
         raise ValueError(f"{who}: k={k} must lie in [0, n={n}] (n = value count over the group)")
-    width = max(row[3] for row in rows)
-    return okeys, width, n, min(row[5] for row in rows), max(row[6] for row in rows)
+    return n, k
 
 
-def topk_threshold(values: Tensor, keys: Tensor, k: int, group: Optional[dist.ProcessGroup] = None,
-                   *, radix_bits: int = 8) -> TopKThreshold:
+def _prologue(items: Sequence[Tuple[Tensor, Optional[Tensor], KSpec]], group, who: str,
+              eager: int) -> List[Problem]:
+    """The first all-gather, for all problems at once. Returns the problems: resolved when the
+    gathered best items decide them, else narrowed to the coarse bin that holds the threshold."""
+    world = 1 if group is None else dist.get_world_size(group)
+    local = [_local(values, keys, k, eager, world) for values, keys, k in items]
+    msg = local[0].msg if len(local) == 1 else torch.cat([loc.msg for loc in local])
+    gathered = gather_rows(msg, group)
+    if gathered.device.type != "cpu":
+        gathered = gathered.cpu()
+    blocks = [gathered] if len(local) == 1 else gathered.split(
+        [loc.msg.numel() for loc in local], dim=1)  # per problem: [world, message]
+    out = []
+    for (_, keys, k), loc, block in zip(items, local, blocks):
+        rows = block.narrow(1, 0, N_STATS).tolist()
+        n, k = _check(rows, keys, k, who)
+        width = max(max(row[3] for row in rows), 32)  # 0: no values anywhere (then k == 0)
+        okeys, digit = loc.okeys, loc.digit
+        if okeys is not None and width == 64 and okeys.dtype != torch.int64:
+            okeys, digit = okeys.long(), None  # an empty fp32 shard among fp64 ones
+        # Value bits are read from the order keys offset by the type's minimum (sign first).
+        p = Problem(okeys, keys, width, k, n, need=k, n=n, cap=max(r[0] for r in rows),
+                    off_v=-(1 << (width - 1)), bits_v=width)
+        out.append(p)
+        if k == 0:
+            continue
+        m = max(r[8] for r in rows)  # slots in use; the rest is INT64_MIN, never among the best
+        ok = block.narrow(1, N_STATS, m)
+        tk = None if keys is None else block.narrow(1, N_STATS + eager, m)
+        if sum(r[8] for r in rows) >= k:
+            flat = host(ok)
+            vkey = kth_key(flat, k)
+            if all(vkey > r[7] for r in rows if r[0] > r[8]):  # no unsent item reaches it
+                p.finish(flat, tk, vkey)
+                continue
+        _coarse_pass(p, block, rows, ok, tk, digit)
+    return out
+
+
+def _coarse_pass(p: Problem, block: Tensor, rows: List[List[int]], ok: Tensor,
+                 tk: Optional[Tensor], digit: Optional[Tensor]) -> None:
+    """Narrow ``p`` to the coarse bin that holds its threshold (the first radix pass, with exact
+    per-rank counts) and set its key range; what a complete rank did not send is derived from
+    the items it sent."""
+    n_bins = 1 << COARSE_BITS
+    hists = []
+    for r, row in enumerate(rows):
+        if row[0] > row[8]:
+            hists.append(block[r, -(n_bins // 2) :].view(torch.int32).long())
+        else:
+            sent = top_digits(ok[r, : row[8]], p.width, COARSE_BITS)
+            hists.append(torch.bincount(sent, minlength=n_bins))
+            if tk is not None and row[8]:
+                row[5:7] = (int(x) for x in torch.aminmax(tk[r, : row[8]]))
+    hists = torch.stack(hists)
+    if p.keys is not None:
+        # Key phase: the larger ~key is the better (the smaller key wins a tie).
+        p.off_k, p.bits_k, p.prefix_k = span(~max(r[6] for r in rows),
+                                             ~min(r[5] for r in rows), 64)
+    if digit is None:
+        digit = top_digits(p.ok, p.width, COARSE_BITS)
+    b = p.advance(digit, COARSE_BITS, p.width - COARSE_BITS, hists.sum(0))
+    p.cap = int(hists[:, b].max())
+
+
+def _check_knobs(radix_bits: int, gather_max: int) -> None:
+    if not 1 <= radix_bits <= 16:
+        raise ValueError(f"radix_bits must be in [1, 16], got {radix_bits}")
+    if gather_max < 0:
+        raise ValueError(f"gather_max must be >= 0, got {gather_max}")
+
+
+def topk_thresholds(items: Sequence[Tuple[Tensor, Tensor, KSpec]],
+                    group: Optional[dist.ProcessGroup] = None, *, radix_bits: int = RADIX_BITS,
+                    gather_max: int = GATHER_MAX, eager: int = EAGER) -> List[TopKThreshold]:
+    """Several exact global top-k boundaries at once (e.g. STARE C2's L+ and L-).
+
+    Same result as one :func:`topk_threshold` per item, but the problems share every collective
+    (the first all-gather, then per round one all-reduce and one all-gather). ``items``:
+    ``(values [N_local], keys [N_local], k)``; ``k`` may be a callable of the global value count
+    ``n`` (then the caller needs no count all-reduce of its own). Collective over ``group``; every
+    rank passes the same number of items.
+    """
+    _check_knobs(radix_bits, gather_max)
+    items = [(v, kk, k if callable(k) else operator.index(k)) for v, kk, k in items]
+    problems = _prologue(items, group, "topk_threshold", max(int(eager), 0))
+    run([p for p in problems if p.k], group, radix_bits, gather_max)
+    return [TopKThreshold(key_to_float(p.result[0], p.width), p.result[1], p.k, p.n_total)
+            if p.k else TopKThreshold(float("inf"), INT64_MIN, 0, p.n_total) for p in problems]
+
+
+def topk_threshold(values: Tensor, keys: Tensor, k: KSpec,
+                   group: Optional[dist.ProcessGroup] = None, *, radix_bits: int = RADIX_BITS,
+                   gather_max: int = GATHER_MAX, eager: int = EAGER) -> TopKThreshold:
     """The exact global top-``k`` boundary of ``values`` over ``group``.
 
     Args:
@@ -199,57 +288,43 @@ def topk_threshold(values: Tensor, keys: Tensor, k: int, group: Optional[dist.Pr
             ``N_local`` may be 0.
         keys: ``[N_local]`` int64 layout-independent token ids; among equal values the smaller key
             wins.
-        k: how many of the ``n = sum N_local`` values to select, ``0 <= k <= n``; same on all ranks.
+        k: how many of the ``n = sum N_local`` values to select, ``0 <= k <= n``; same on all ranks;
+            or a callable ``k(n)``.
         group: process group the values are spread over; None = this process only.
-        radix_bits: bits resolved per pass (histograms of ``2**radix_bits`` int64 counts).
+        radix_bits: bits resolved per radix pass (histograms of ``2**radix_bits`` counts).
+        gather_max: the remaining candidates are all-gathered and resolved locally once that
+            gather receives at most this many item slots per rank (12 bytes each for fp32).
+        eager: the best items per rank sent with the first all-gather; they decide the threshold
+            (one collective in all) when every rank has at most this many, or when the k-th best
+            of them lies above every cut.
 
     Returns:
-        :class:`TopKThreshold`, identical on all ranks. Collectives: one all-gather of 7 ints per
-        rank, then one SUM all-reduce per radix pass (plus one all-gather and more passes when a
-        tie at the threshold must be broken by key).
+        :class:`TopKThreshold`, identical on all ranks. Collectives: one all-gather of
+        ``9 + 2 * eager + 2**(COARSE_BITS - 1)`` int64 per rank; then, if needed, SUM all-reduces
+        of ``2**radix_bits`` counts (radix passes over the value bits, then over the token-key
+        bits when a tie at the threshold must be broken) and one all-gather of at most
+        ``gather_max`` item slots per rank.
     """
-    if not 1 <= radix_bits <= 16:
-        raise ValueError(f"radix_bits must be in [1, 16], got {radix_bits}")
-    k = operator.index(k)
-    okeys, width, n, kmin, kmax = _prologue(values, keys, k, group, "topk_threshold")
-    if k == 0:
-        return TopKThreshold(float("inf"), INT64_MIN, 0, n)
-    vkey, n_equal, n_take = _radix_kth(okeys, kmin, kmax, k, n, group, radix_bits)
-    value = _key_to_float(vkey, width)
-    if n_take == n_equal:
-        return TopKThreshold(value, INT64_MAX, k, n)
-    # Break the tie: take the n_take smallest keys among the items equal to the threshold, i.e.
-    # the n_take-th largest of ~key (bitwise not reverses int64 order without overflow).
-    inv = ~keys[okeys == vkey]  # keys of the tied items, order reversed
-    tmin = int(inv.min()) if inv.numel() else INT64_MAX
-    tmax = int(inv.max()) if inv.numel() else INT64_MIN
-    rows = _all_gather_rows([tmin, tmax], values.device, group)
-    tmin, tmax = min(r[0] for r in rows), max(r[1] for r in rows)
-    ikey, n_eq_key, n_take_key = _radix_kth(inv, tmin, tmax, n_take, n_equal, group,
-                                            radix_bits)
-    if n_eq_key != n_take_key:
-        raise ValueError(
-            f"topk_threshold: {n_eq_key} items share value {value} and key {~ikey} at the "
-            "threshold; token keys must be unique for an exact top-k"
-        )
-    return TopKThreshold(value, ~ikey, k, n)
+    return topk_thresholds([(values, keys, k)], group, radix_bits=radix_bits,
+                           gather_max=gather_max, eager=eager)[0]
 
 
-def topk_mask(values: Tensor, keys: Tensor, k: int, group: Optional[dist.ProcessGroup] = None,
-              *, radix_bits: int = 8) -> Tensor:
+def topk_mask(values: Tensor, keys: Tensor, k: KSpec, group: Optional[dist.ProcessGroup] = None,
+              **knobs) -> Tensor:
     """Bool mask ``[N_local]``: this rank's share of the exact global top-``k`` (see
-    :func:`topk_threshold`); exactly ``k`` True entries summed over ``group``."""
-    return topk_threshold(values, keys, k, group, radix_bits=radix_bits).select(values, keys)
+    :func:`topk_threshold`, which takes the same keyword knobs); exactly ``k`` True entries
+    summed over ``group``."""
+    return topk_threshold(values, keys, k, group, **knobs).select(values, keys)
 
 
 def kth_largest(values: Tensor, k: int, group: Optional[dist.ProcessGroup] = None, *,
-                radix_bits: int = 8) -> float:
+                radix_bits: int = RADIX_BITS, gather_max: int = GATHER_MAX,
+                eager: int = EAGER) -> float:
     """The exact ``k``-th largest (``1 <= k <= n``) of ``values [N_local]`` over ``group``."""
-    if not 1 <= radix_bits <= 16:
-        raise ValueError(f"radix_bits must be in [1, 16], got {radix_bits}")
+    _check_knobs(radix_bits, gather_max)
     k = operator.index(k)
-    okeys, width, n, kmin, kmax = _prologue(values, None, k, group, "kth_largest")
+    (p,) = _prologue([(values, None, k)], group, "kth_largest", max(int(eager), 0))
     if k == 0:
         raise ValueError("kth_largest: k must be >= 1")
-    vkey, _, _ = _radix_kth(okeys, kmin, kmax, k, n, group, radix_bits)
-    return _key_to_float(vkey, width)
+    run([p], group, radix_bits, gather_max)
+    return key_to_float(p.result[0], p.width)

@@ -9,15 +9,21 @@ token ``t`` with target id ``y_t`` (a *global* vocab id) this module returns, fo
 - ``sum_p2[t] = sum_j p_j^2`` and ``sum_p2_logp[t] = sum_j p_j^2 log p_j`` (no gradient), the two
   reductions the entropy-sensitivity diagnostic needs (docs/algorithms.md).
 
-Memory: the logits are processed in chunks of ``chunk_size`` rows; only one ``[chunk, V/tp]``
-buffer in the compute dtype (fp32, or fp64 for fp64 logits) lives at a time, plus elementwise
-temporaries of at most ``[chunk, 4096]``. The bf16 shard is never upcast whole. Backward
-recomputes the softmax from the saved logits (a reference to the caller's tensor, not a copy) and
-the per-token log-normaliser ``[T]``; when entropy is a metric only, nothing entropy-specific is
-saved, and when no gradient is needed nothing at all is saved.
+Passes: the logits are read in row tiles of about ``TILE_ELEMS`` elements (a few rows of the
+shard) that stay in the L2 cache: forward reads each tile once from memory (row max, shift, exp
+and the sums then run on the cached tile, into two preallocated tile buffers); backward reads it
+once more and writes the gradient once, computing fp32/fp64 gradients straight in their slice of
+the result. fp32/fp64 logits at temperature 1 are not copied at all; bf16/fp16 tiles are upcast
+into the tile buffer. Extra memory is the gradient plus at most three ``[rows, V/tp]`` tile
+buffers in the compute dtype (fp32, or fp64 for fp64 logits); the bf16 shard is never upcast
+whole. Backward recomputes the softmax from the saved logits (a reference to the caller's tensor,
+not a copy) and the per-token log-normaliser ``[T]``; when entropy is a metric only, nothing
+entropy-specific is saved, and when no gradient is needed nothing at all is saved.
 
-Communication per chunk: two all-reduces over ``tp_group``: the row max (MAX) and one SUM of the
-stacked ``[chunk, 5]`` partial sums (target logit, sum exp, sum exp*z, sum exp^2, sum exp^2*z).
+Communication per chunk of ``chunk_size`` rows: two all-reduces over ``tp_group``: the row max
+(MAX) and one SUM of the stacked ``[chunk, 5]`` partial sums (target logit, sum exp, sum exp*z,
+sum exp^2, sum exp^2*z). Each rank first shifts by its own row max and rescales its sums to the
+global max afterwards (the online log-sum-exp), so the logits are read once per pass.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from torch import Tensor
 
 __all__ = ["LogProbOutput", "vocab_parallel_logprobs_entropy"]
 
-# Width of the column blocks used for elementwise temporaries (exp, products) so that they stay
-# much smaller than the [chunk, V/tp] buffer.
-COL_BLOCK = 4096
+# Elements per row tile on CPU: the tile buffers (at most three of [rows, V/tp] in the compute
+# dtype) then stay in the 1 MiB L2 / the L3 cache, so every pass after the first read of a tile hits
+# the cache. Chosen by measurement (docs/performance.md, benchmarks/bench_vocab_parallel.py
+# --tile-sweep). On accelerators a tile is a whole chunk: there, fewer and larger kernels win.
+TILE_ELEMS = 1 << 18
 
 
 @dataclass
@@ -75,6 +83,10 @@ class VocabShard:
         hit = (local >= 0) & (local < self.n_valid)
         return local.clamp(0, max(self.n_valid - 1, 0)), hit
 
+    @property
+    def multi_rank(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
 
 def resolve_shard(
     width: int,
@@ -111,25 +123,46 @@ def all_reduce(t: Tensor, op, group: Optional[dist.ProcessGroup]) -> Tensor:
     return t
 
 
-def shifted_stats(z: Tensor, out: Tensor, need_entropy: bool, need_sens: bool) -> None:
+def tile_rows(n_cols: int, chunk: int, device: torch.device) -> int:
+    """Rows per tile: on CPU about ``TILE_ELEMS`` elements, at least 1; at most ``chunk``."""
+    if device.type != "cpu":
+        return chunk
+    return max(1, min(chunk, TILE_ELEMS // max(n_cols, 1)))
+
+
+def shifted_stats(z: Tensor, out: Tensor, need_entropy: bool, need_sens: bool,
+                  work: Optional[Tensor] = None, work2: Optional[Tensor] = None) -> None:
     """Accumulate row sums of a max-shifted block ``z [R, n]`` (z <= 0) into ``out [R, 4]``.
 
     Columns of ``out``: ``sum e``, ``sum e*z``, ``sum e^2``, ``sum e^2*z`` with ``e = exp(z)``.
-    ``z`` may be destroyed. Temporaries are at most ``[R, COL_BLOCK]``.
+    ``z`` may be destroyed. ``work``/``work2``: optional ``[R, n]`` scratch in z's dtype (``work2``
+    is used for the sensitivity sums only); without them temporaries are allocated.
     """
     if not (need_entropy or need_sens):
         out[:, 0] += z.exp_().sum(1)
         return
-    for c0 in range(0, z.shape[1], COL_BLOCK):
-        zb = z[:, c0 : c0 + COL_BLOCK]
-        e = zb.exp()
-        out[:, 0] += e.sum(1)
-        if need_sens:
-            e2 = e.square()
-            out[:, 2] += e2.sum(1)
-            out[:, 3] += e2.mul_(zb).sum(1)
-        if need_entropy:
-            out[:, 1] += e.mul_(zb).sum(1)
+    e = z.exp() if work is None else torch.exp(z, out=work)
+    out[:, 0] += e.sum(1)
+    if need_sens:
+        e2 = e.square() if work2 is None else torch.mul(e, e, out=work2)
+        out[:, 2] += e2.sum(1)
+        out[:, 3] += e2.mul_(z).sum(1)
+    if need_entropy:
+        out[:, 1] += e.mul_(z).sum(1)
+
+
+def rescale_stats(state: Tensor, m_old: Tensor, m_new: Tensor) -> Tensor:
+    """Re-express a ``[R, 4]`` (S, A, B, C) state relative to max ``m_old`` against ``m_new``.
+
+    ``e^{z-m_new}(z-m_new) = r e^{z-m_old}((z-m_old) + d)`` with ``r = e^{m_old-m_new}``,
+    ``d = m_old - m_new``; rows with ``m_old = -inf`` hold zeros and must stay zeros (d := 0).
+    """
+    d = m_old - m_new
+    r = d.exp()
+    d = torch.where(torch.isneginf(m_old), 0.0, d)
+    s, a, b, c = state.unbind(1)
+    r2 = r.square()
+    return torch.stack((r * s, r * (a + d * s), r2 * b, r2 * (c + d * b)), 1)
 
 
 def finish_stats(m: Tensor, sums: Tensor, need_entropy: bool, need_sens: bool):
@@ -150,56 +183,113 @@ def finish_stats(m: Tensor, sums: Tensor, need_entropy: bool, need_sens: bool):
     return logp, lse, ent, p2, p2l
 
 
-def entropy_logit_grad(logp: Tensor, g_lp: Tensor, g_h: Optional[Tensor], h: Optional[Tensor]):
-    """In place: ``logp [R, n]`` becomes ``-p * (g_lp + g_h * (logp + H))``.
+def reduce_and_finish(m_local: Tensor, sums: Tensor, hit: Tensor, shard: VocabShard,
+                      need_entropy: bool, need_sens: bool):
+    """All-reduce one chunk's per-rank statistics and finish them (see :func:`finish_stats`).
 
-    This is d(g_lp*logp_y + g_h*H)/dz without the one-hot term ``g_lp * e_y``, which the caller adds
-    (it needs the target's position). ``g_lp, g_h, h``: ``[R]``.
+    ``m_local [R]``: this rank's row max (-inf for a padding-only shard); ``sums [R, 5]``: target
+    logit minus ``m_local`` and the :func:`shifted_stats` columns relative to ``m_local``; ``hit
+    [R]``: the target lives on this rank. Two all-reduces over the shard's group (MAX, then SUM).
     """
-    if g_h is None:
-        logp.exp_().mul_(-g_lp[:, None])
-        return logp
-    for c0 in range(0, logp.shape[1], COL_BLOCK):
-        blk = logp[:, c0 : c0 + COL_BLOCK]
-        p = blk.exp()
-        blk.add_(h[:, None]).mul_(g_h[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
-    return logp
+    m = m_local
+    if shard.multi_rank:
+        m = all_reduce(m_local.clone(), dist.ReduceOp.MAX, shard.group)
+        sums[:, 1:] = rescale_stats(sums[:, 1:], m_local, m)
+        sums[:, 0] += m_local - m
+    sums[:, 0] = torch.where(hit, sums[:, 0], 0.0)
+    all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+    return finish_stats(m, sums, need_entropy, need_sens)
 
 
-def _scaled_chunk(x: Tensor, n: int, temperature: float, cd: torch.dtype) -> Tensor:
-    """A fresh ``[R, n]`` compute-dtype copy of the first ``n`` columns of ``x``, divided by T."""
-    buf = torch.empty((x.shape[0], n), dtype=cd, device=x.device)
-    buf.copy_(x[:, :n])
-    if temperature != 1.0:
-        buf.div_(temperature)
-    return buf
+@dataclass
+class GradCoefs:
+    """Per-token ``[T]`` coefficients of ``d(g_lp * logp_y + g_h * H) / dx`` for ``z = x / temp``.
+
+    With ``p = softmax(z)`` and ``logp = z - lse`` the gradient is
+    ``(p * (c0 + c1 * logp) + onehot_y * g_lp) / temp`` where ``c0 = -(g_lp + g_h * H)`` and
+    ``c1 = -g_h``; the ``1 / temp`` is folded into ``c0``, ``c1`` and ``onehot``. ``c1`` is None
+    when the entropy carries no gradient.
+    """
+
+    c0: Tensor
+    c1: Optional[Tensor]
+    onehot: Tensor
+
+    @staticmethod
+    def build(n: int, cd, device, temperature: float, g_lp: Optional[Tensor],
+              g_h: Optional[Tensor], h: Optional[Tensor]) -> "GradCoefs":
+        gl = torch.zeros(n, dtype=cd, device=device) if g_lp is None else g_lp.to(cd)
+        if g_h is None:
+            c0, c1 = -gl, None
+        else:
+            gh = g_h.to(cd)
+            c0, c1 = -(gl + gh * h), -gh
+        if temperature != 1.0:
+            c0, gl = c0 / temperature, gl / temperature
+            c1 = None if c1 is None else c1 / temperature
+        return GradCoefs(c0, c1, gl)
+
+    def apply_(self, g: Tensor, rows: slice, work: Optional[Tensor] = None) -> Tensor:
+        """In place: ``g [R, n]`` holding ``logp`` becomes the gradient without the one-hot term
+        (the caller adds ``onehot[rows]`` at the target, which needs its position)."""
+        c0 = self.c0[rows, None]
+        if self.c1 is None:
+            return g.exp_().mul_(c0)
+        p = g.exp() if work is None else torch.exp(g, out=work)
+        torch.addcmul(c0, g, self.c1[rows, None], out=g)
+        return g.mul_(p)
+
+
+def _tile_forward(src: Tensor, z: Tensor, work, work2, temperature: float, direct: bool,
+                  idx: Tensor, sums: Tensor, need_entropy: bool, need_sens: bool) -> Tensor:
+    """Row max ``[r]`` of one tile ``src [r, n]``; fills ``sums [r, 5]`` relative to it.
+
+    ``z``, ``work``, ``work2``: ``[r, n]`` compute-dtype scratch (``work*`` may be None when not
+    needed). ``direct``: ``src`` is already in the compute dtype at temperature 1 (no copy).
+    """
+    if direct:
+        mt = src.amax(1)
+        torch.sub(src, mt[:, None], out=z)
+    else:
+        z.copy_(src)
+        if temperature != 1.0:
+            z.div_(temperature)
+        mt = z.amax(1)
+        z.sub_(mt[:, None])
+    sums[:, 0] = z.gather(1, idx[:, None]).squeeze(1)
+    shifted_stats(z, sums[:, 1:], need_entropy, need_sens, work, work2)
+    return mt
 
 
 def _forward(logits, targets, shard: VocabShard, temperature, need_entropy, need_sens, chunk):
     T = logits.shape[0]
+    n = shard.n_valid
     cd = compute_dtype(logits.dtype)
-    new = lambda: torch.empty(T, dtype=cd, device=logits.device)  # noqa: E731
+    dev = logits.device
+    new = lambda: torch.empty(T, dtype=cd, device=dev)  # noqa: E731
     logp, lse = new(), new()
     ent = new() if need_entropy else None
     p2 = new() if need_sens else None
     p2l = new() if need_sens else None
+    # fp32/fp64 logits at temperature 1 are read in place: no copy of the tile is made.
+    direct = logits.dtype == cd and temperature == 1.0
+    rows = tile_rows(n, chunk, dev)
+    buf = lambda need=True: torch.empty((rows, n), dtype=cd, device=dev) if need else None  # noqa
+    zbuf, work, work2 = buf(), buf(need_entropy or need_sens), buf(need_sens)
+    cut = lambda t, r: None if t is None else t[:r]  # noqa: E731
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
-        sums = torch.zeros((e - s, 5), dtype=cd, device=logits.device)
-        if shard.n_valid > 0:
-            z = _scaled_chunk(logits[s:e], shard.n_valid, temperature, cd)
-            m = z.amax(1)
-        else:  # a shard made only of padding contributes nothing
-            z, m = None, torch.full((e - s,), float("-inf"), dtype=cd, device=logits.device)
-        all_reduce(m, dist.ReduceOp.MAX, shard.group)
-        if z is not None:
-            z.sub_(m[:, None])
-            idx, hit = shard.local_targets(targets[s:e])
-            sums[:, 0] = torch.where(hit, z.gather(1, idx[:, None]).squeeze(1), 0.0)
-            shifted_stats(z, sums[:, 1:], need_entropy, need_sens)
-            del z
-        all_reduce(sums, dist.ReduceOp.SUM, shard.group)
-        r = finish_stats(m, sums, need_entropy, need_sens)
+        idx, hit = shard.local_targets(targets[s:e])
+        # A padding-only shard (n == 0) contributes nothing: max -inf, sums 0.
+        m = torch.full((e - s,), float("-inf"), dtype=cd, device=dev)
+        sums = torch.zeros((e - s, 5), dtype=cd, device=dev)
+        for a in range(s, e, rows) if n else ():
+            b = min(a + rows, e)
+            lo, hi = a - s, b - s
+            m[lo:hi] = _tile_forward(logits[a:b, :n], zbuf[: b - a], cut(work, b - a),
+                                     cut(work2, b - a), temperature, direct, idx[lo:hi],
+                                     sums[lo:hi], need_entropy, need_sens)
+        r = reduce_and_finish(m, sums, hit, shard, need_entropy, need_sens)
         for dst, src in zip((logp, lse, ent, p2, p2l), r):
             if dst is not None:
                 dst[s:e] = src
@@ -208,26 +298,39 @@ def _forward(logits, targets, shard: VocabShard, temperature, need_entropy, need
 
 def _backward(logits, targets, shard: VocabShard, temperature, lse, h, g_lp, g_h, chunk):
     T = logits.shape[0]
+    n = shard.n_valid
     cd = compute_dtype(logits.dtype)
+    dev = logits.device
     grad = torch.empty_like(logits)
-    grad[:, shard.n_valid :].zero_()
-    if shard.n_valid == 0:
+    grad[:, n:].zero_()
+    if n == 0:
         return grad
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
-        buf = _scaled_chunk(logits[s:e], shard.n_valid, temperature, cd).sub_(lse[s:e, None])
-        if g_lp is None:
-            gl = torch.zeros(e - s, dtype=cd, device=logits.device)
+    coefs = GradCoefs.build(T, cd, dev, temperature, g_lp, g_h, h)
+    idx, hit = shard.local_targets(targets)
+    onehot = torch.where(hit, coefs.onehot, 0.0)
+    direct_in = logits.dtype == cd and temperature == 1.0
+    # fp32/fp64 gradients are computed straight in their slice of `grad`; bf16/fp16 ones in an
+    # fp32 tile rounded once into `grad`.
+    direct_out = grad.dtype == cd
+    rows = tile_rows(n, chunk, dev)
+    gbuf = None if direct_out else torch.empty((rows, n), dtype=cd, device=dev)
+    work = None if coefs.c1 is None else torch.empty((rows, n), dtype=cd, device=dev)
+    for a in range(0, T, rows):
+        b = min(a + rows, T)
+        rs = slice(a, b)
+        src = logits[a:b, :n]
+        g = grad[a:b, :n] if direct_out else gbuf[: b - a]
+        if direct_in:
+            torch.sub(src, lse[rs, None], out=g)
         else:
-            gl = g_lp[s:e].to(cd)
-        gh = None if g_h is None else g_h[s:e].to(cd)
-        entropy_logit_grad(buf, gl, gh, None if h is None else h[s:e])
-        idx, hit = shard.local_targets(targets[s:e])
-        buf.scatter_add_(1, idx[:, None], torch.where(hit, gl, 0.0)[:, None])
-        if temperature != 1.0:
-            buf.div_(temperature)
-        grad[s:e, : shard.n_valid].copy_(buf)
-        del buf
+            g.copy_(src)
+            if temperature != 1.0:
+                g.div_(temperature)
+            g.sub_(lse[rs, None])
+        coefs.apply_(g, rs, None if work is None else work[: b - a])
+        g.scatter_add_(1, idx[rs, None], onehot[rs, None])
+        if not direct_out:
+            grad[a:b, :n].copy_(g)
     return grad
 
 
@@ -310,7 +413,8 @@ def vocab_parallel_logprobs_entropy(
         entropy_grad: the entropy carries a gradient (for an entropy bonus); otherwise it is a
             detached metric and backward costs nothing extra.
         with_sensitivity: also return ``sum_j p_j^2`` and ``sum_j p_j^2 log p_j`` (no gradient).
-        chunk_size: rows per chunk; bounds the live fp32 buffer at ``[chunk_size, V/tp]``.
+        chunk_size: rows per chunk of communication (two all-reduces per chunk); the tile
+            buffers have ``min(chunk_size, TILE_ELEMS // (V/tp))`` rows (at least one).
 
     Returns:
         :class:`LogProbOutput` with ``[T]`` tensors, identical on every rank of ``tp_group``.

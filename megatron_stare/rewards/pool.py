@@ -1,14 +1,17 @@
 """Rewards for a batch, computed beside the trainer: ``RewardPool``; and DAPO overlong shaping.
 
-``pool.submit(responses, answers, metadatas)`` returns at once with a ``RewardFuture``; the
-trainer does other work (the log-prob pass) and later calls ``.result()`` for ``[N]`` scores
-in submission order. ``reward.num_workers`` worker processes each score one response
+``pool.submit(responses, answers, metadatas)`` returns at once with a ``RewardFuture``;
+``.result()`` gives the ``[N]`` scores in submission order. Every trainer rank holds one pool
+and scores its share of each batch in it; ``rewards/sharded.py`` shares the scores, so a time
+limit hit on one rank gives every rank the same 0. ``reward.num_workers`` worker processes each score one response
 at a time, so every call has two limits:
 
 - soft: the worker runs the call under ``registry.deadline(timeout_s)``; past it, score 0;
 - hard: the parent kills a worker whose call is not back ``timeout_s + HARD_KILL_GRACE_S``
   after it was sent (stuck inside one C call, where signals are not delivered) and starts a
-  replacement; the response scores 0. A worker that dies mid-call is replaced the same way.
+  replacement; the response scores 0. A worker that dies mid-call is replaced the same way
+  (logged, counted in ``RewardFuture.num_crashes``). Workers ignore the trainer's preemption
+  signals (SIGTERM, SIGUSR1: ``preemption.py``), which reach them too; the pool ends them.
 
 ``num_workers=0`` scores inline in ``submit`` (tests, tiny CPU runs) under the soft limit
 only, which needs the main thread (it is ``SIGALRM`` based); ``math`` is always bounded there.
@@ -31,6 +34,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Deque, List, Optional, Sequence, Tuple
 
+from megatron_stare.preemption import PREEMPTION_SIGNALS, ignore_preemption_signals
 from megatron_stare.rewards.lookup import get_reward_fn
 from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
@@ -65,6 +69,9 @@ def _warmup(fn) -> None:
 
 def _worker_main(fn_spec: str, timeout_s: float, conn) -> None:
     """Worker process: load the reward fn, say ready, score ``(key, r, a, m)`` until ``None``/EOF."""
+    # A preemption signal for the trainer reaches its workers too (torchrun signals the trainer's
+    # whole process group); the trainer finishes its step first, so the workers must live on.
+    ignore_preemption_signals()  # (again, for callers other than _Worker)
     try:
         fn = get_reward_fn(fn_spec)
         _warmup(fn)
@@ -144,7 +151,9 @@ class _Worker:
     def __init__(self, fn_spec: str, timeout_s: float):
         mine, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = "from megatron_stare.rewards.pool import _worker_cli; _worker_cli()"
+        # The preemption signals are ignored first thing, before the (slow) imports.
+        code = ("from megatron_stare.preemption import ignore_preemption_signals as i; i(); "
+                "from megatron_stare.rewards.pool import _worker_cli; _worker_cli()")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), fn_spec, repr(timeout_s)],
                                      pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
@@ -289,9 +298,11 @@ class RewardPool:
         try:
             kind, payload = w.conn.recv()
         except (EOFError, OSError):
-            if not w.ready:
-                raise RuntimeError(f"reward worker exited during startup (exit code {w.proc.poll()})")
-            log.warning("reward: worker %d died (exit code %s); restarting it", w.proc.pid, w.proc.poll())
+            code = w.proc.wait(10)  # its end of the socket is closed: it is exiting
+            # A preemption signal in the instant before a new worker ignores it: start another.
+            if not w.ready and -code not in PREEMPTION_SIGNALS:
+                raise RuntimeError(f"reward worker exited during startup (exit code {code})")
+            log.warning("reward: worker %d died (exit code %s); restarting it", w.proc.pid, code)
             self._replace(self._workers.index(w), "crashed")
             return
         if kind == "ready":

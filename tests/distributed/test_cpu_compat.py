@@ -1,6 +1,8 @@
 """Each CPU patch of megatron_stare.compat.cpu is needed: leaving it out breaks the Megatron
 path it exists for, and with all patches that same path works. Each case runs in a fresh
-spawned process, since the patches are process-wide."""
+spawned process, since the patches are process-wide. The same holds for the sequence-parallel
+norm of our layer spec (models/layer_specs.py): Megatron's torch norm refuses sequence
+parallel, and a norm that does not mark its weights trains wrong numbers."""
 
 import pytest
 import torch
@@ -114,3 +116,68 @@ def _tied_pp2(rank, world, skip):
 def test_tensor_cuda_patch_is_needed_for_tied_embeddings_across_stages():
     assert any(r != "ok" for r in run_on_ranks(_tied_pp2, 2, ("tensor_cuda",)))
     assert run_on_ranks(_tied_pp2, 2, ()) == ["ok", "ok"]
+
+
+def _train_optimizer(rank, world, skip, distributed_optimizer, dtype):
+    """One step with Megatron's DistributedOptimizer or its bf16 (Float16) optimizer."""
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.testing import megatron_tiny as mt
+
+        groups = init_distributed(ParallelLayout.from_world(world, distributed_optimizer=distributed_optimizer))
+        batches = mt.lm_batches(4, 8, mt.TINY_SPEC.vocab_size, 1)
+        out = mt.train_lm_steps(groups, batches, 2, dtype=getattr(torch, dtype))
+        return "ok" if all(torch.isfinite(torch.tensor(out["loss"]))) else "nan"
+    except Exception as e:  # noqa: BLE001 - the error is the result under test
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("world,distributed_optimizer,dtype", [(2, True, "float32"), (1, False, "bfloat16")],
+                         ids=["distributed_optimizer", "bf16_main_params"])
+def test_optimizer_type_check_patch_is_needed(world, distributed_optimizer, dtype):
+    broken = run_on_ranks(_train_optimizer, world, ("optimizer_type_checks",), distributed_optimizer, dtype)
+    assert all("torch.cuda.FloatTensor" in r for r in broken), broken
+    assert run_on_ranks(_train_optimizer, world, (), distributed_optimizer, dtype) == ["ok"] * world
+
+
+def _sequence_parallel(rank, world, norm):
+    """Three Adam steps of the tiny model at TP=world with sequence parallel, built with our
+    norm (``ours``), Megatron's torch norm (``megatron``) or ours without the marks (``unmarked``)."""
+    from megatron_stare.models import layer_specs
+    from megatron_stare.testing.megatron_tiny import run_layout
+
+    if norm == "megatron":
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer_specs.TorchNorm = WrappedTorchNorm
+    elif norm == "unmarked":
+        ours = layer_specs.TorchNorm
+
+        class Unmarked:
+            def __new__(cls, config, hidden_size, **kw):
+                out = ours(config, hidden_size, **kw)
+                for p in out.parameters():
+                    p.sequence_parallel = False
+                return out
+
+        layer_specs.TorchNorm = Unmarked
+    try:
+        return run_layout(rank, world, world, 1, 3, 2, sequence_parallel=world > 1)
+    except Exception as e:  # noqa: BLE001 - the error is the result under test
+        return f"{type(e).__name__}: {e}"
+
+
+def test_sequence_parallel_needs_norms_marked_for_the_tp_all_reduce():
+    ref = run_on_ranks(_sequence_parallel, 1, "ours")[0]
+    refused = run_on_ranks(_sequence_parallel, 2, "megatron")
+    assert all("sequence parallel not supported by torch" in r for r in refused), refused
+    unmarked = run_on_ranks(_sequence_parallel, 2, "unmarked")[0]
+    ours = run_on_ranks(_sequence_parallel, 2, "ours")[0]
+    norm_diff = lambda got: max((got["weights"][n] - w).abs().max().item()  # noqa: E731
+                                for n, w in ref["weights"].items() if "norm" in n)
+    assert norm_diff(ours) <= 1e-6
+    assert norm_diff(unmarked) > 1e-5, "norm weights trained right without the TP all-reduce"
+    assert abs(ours["grad_norm"][0] - ref["grad_norm"][0]) <= 1e-5 * ref["grad_norm"][0]

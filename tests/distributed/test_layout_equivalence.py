@@ -1,11 +1,12 @@
 """A tiny Qwen2-style Megatron model trained 3 Adam steps with Megatron's DDP, optimizer and
 pipeline schedule gives the same losses, grad norms and final logits at every layout as in
-one process (fp32, max abs diff <= 1e-6)."""
+one process (fp32, max abs diff <= 1e-6); also with sequence parallel and the distributed
+optimizer (losses and grad norms within 1e-5 relative, weights within 1e-6)."""
 
 import pytest
 
 from megatron_stare.testing.distributed import run_on_ranks
-from megatron_stare.testing.megatron_tiny import run_layout
+from megatron_stare.testing.megatron_tiny import CLUSTER_LAYOUT_IDS, CLUSTER_LAYOUTS, run_layout
 
 pytestmark = pytest.mark.distributed
 
@@ -45,3 +46,14 @@ def test_miswired_tensor_parallel_is_caught(reference):
     got = run_on_ranks(run_layout, 2, 2, 1, STEPS, MICRO, True)[0]
     with pytest.raises(AssertionError):
         _assert_same(reference, got)
+
+
+@pytest.mark.parametrize("world,tp,knobs", CLUSTER_LAYOUTS, ids=CLUSTER_LAYOUT_IDS)
+def test_sequence_parallel_and_distributed_optimizer_match_single_process(reference, world, tp, knobs):
+    for got in run_on_ranks(run_layout, world, tp, 1, STEPS, MICRO, **knobs):
+        for a, b in zip(reference["loss"] + reference["grad_norm"], got["loss"] + got["grad_norm"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (reference["loss"], got["loss"], reference["grad_norm"], got["grad_norm"])
+        for name, w in reference["weights"].items():
+            diff = (w - got["weights"][name]).abs().max().item()
+            assert diff <= 1e-6, f"{name} differs by {diff}"
+        assert (reference["logits"] - got["logits"]).abs().max().item() <= 1e-6

@@ -63,7 +63,7 @@ def _layout_worker(rank, world, tp, pp, models, tokens, ckpt_root, export, save,
             for b in iter_hf_buckets(model, groups, spec, BUCKET, dst="all", stats=stats):
                 held += prev is not None and _still_alive(prev)
                 got.update((n, t.clone()) for n, t in b)
-                prev = weakref.ref(b.flat)
+                prev = weakref.ref(b.buffer)
                 del b
             r.update(export_all=_exact(got, ref), stats=stats, held=held,
                      largest_param=max(p.numel() * p.element_size() for p in model.parameters()) * tp)

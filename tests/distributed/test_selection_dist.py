@@ -8,12 +8,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_stare.ops.selection import kth_largest, topk_mask, topk_threshold
+from megatron_stare.ops.selection import kth_largest, topk_mask, topk_threshold, topk_thresholds
 from megatron_stare.testing.distributed import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
 INF = float("inf")
+# Radix passes only / radix then gather / gather / the best 3 items per rank first (decisive for
+# small k, else radix or gather). The default here carries every item in the first all-gather.
+PATHS = (dict(eager=0, gather_max=0, radix_bits=3), dict(eager=0, gather_max=4, radix_bits=2),
+         dict(eager=0, gather_max=0, radix_bits=16), dict(eager=0, gather_max=10 ** 9),
+         dict(eager=3, gather_max=0), dict(eager=3))
 
 
 def _datasets():
@@ -75,6 +80,9 @@ def _worker(rank, world_size):
                 v, kk = values[idx], keys[dname][idx]
                 for k in ks:
                     thr = topk_threshold(v, kk, k, group)
+                    # Every path gives the same threshold, bit for bit.
+                    for kw in PATHS if deal == "random" else ():
+                        assert topk_threshold(v, kk, k, group, **kw) == thr, kw
                     mask = thr.select(v, kk)
                     # the same threshold applied per micro-batch selects the same tokens
                     micro = [thr.select(v[i:i + 5], kk[i:i + 5]) for i in range(0, len(v), 5)]
@@ -83,6 +91,17 @@ def _worker(rank, world_size):
                         assert torch.equal(topk_mask(v, kk, k, group), mask)
                     kth = kth_largest(v, k, group) if k and deal == "blocks" else None
                     out[(gname, dname, deal, k)] = (idx[mask].tolist(), kth)
+        # Both thresholds in shared collectives (STARE C2) equal one call each, on every path.
+        pieces = []
+        for dname in ("normal", "dup"):
+            owner = _deals(len(data[dname]), m)["random"]
+            idx = torch.nonzero(owner == me).flatten()
+            pieces.append((data[dname][idx], keys[dname][idx]))
+        for kw in PATHS:
+            items = [(*pieces[0], 16), (*pieces[1], lambda n: n // 3)]
+            got = topk_thresholds(items, group, **kw)
+            assert got == [topk_threshold(*pieces[0], 16, group),
+                           topk_threshold(*pieces[1], len(data["dup"]) // 3, group)], kw
     # Error cases on the whole world: every rank must raise the same ValueError.
     errors = {}
     cases = {

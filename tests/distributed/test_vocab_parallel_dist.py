@@ -31,6 +31,10 @@ def _max_err(a, b):
 
 
 def _worker(rank, world_size):
+    import megatron_stare.ops.vocab_parallel as vp
+
+    # Tiles of 1-3 rows: several tiles per chunk of 5 rows, partial tiles, partial chunks.
+    vp.TILE_ELEMS = 40
     g = torch.Generator().manual_seed(0)  # identical data on every rank
     logits64 = torch.randn(T, V_PAD, generator=g, dtype=torch.float64) * 3
     hidden64 = torch.randn(T, H, generator=g, dtype=torch.float64)

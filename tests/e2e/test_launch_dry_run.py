@@ -79,7 +79,7 @@ def test_32b_dry_run_fits_on_4_nodes(run):
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
-    assert "vllm colocated, engine tp 8 -> 4 instances" in out and "fits" in out
+    assert "vllm on the trainer's GPUs, engine tp 8 -> 4 instances" in out and "fits" in out
     print(out)
 
 
@@ -184,3 +184,56 @@ def test_unreachable_master_fails_after_the_bounded_wait(run):
         res = run(SCRIPTS["32b"][0], NNODES=4, NODE_RANK=1, MASTER_ADDR=ip, MASTER_PORT=server.getsockname()[1])
     _fails_fast(res, 0, "error: config: ")
     assert "rendezvous" not in res.stderr
+
+
+# ------------------------------------------------------------------------------ preemption relay
+_FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> {log}
+trap 'echo "srun got USR1" >> {log}; exit {code}' USR1
+trap 'echo "srun got TERM" >> {log}; exit {code}' TERM
+echo ready >> {log}
+[[ {code} == 1 ]] && exit 1
+while true; do sleep 0.05; done
+"""
+_FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> {log}
+if [[ $1 == show ]]; then echo node0; fi
+"""
+
+
+@pytest.mark.parametrize("signal_name,code", [("USR1", 75), (None, 1)])
+def test_slurm_job_relays_the_warning_and_requeues(shim_path, tmp_path, signal_name, code):
+    """The batch shell (SLURM signals it alone: --signal=B:USR1@...) relays SIGUSR1 to srun and,
+    when the run exits 75 (preempted after saving), requeues the job; a plain failure does not.
+    srun and scontrol are stand-ins that record their calls (srun's forwarding to its tasks is
+    SLURM's; the launch shell's relay into torchrun is tested end to end in test_train_resume)."""
+    import signal
+
+    fake, log = tmp_path / "bin", tmp_path / "calls.txt"
+    fake.mkdir()
+    for name, body in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+        (fake / name).write_text(body.format(log=log, code=code))
+        (fake / name).chmod(0o755)
+    env = _env(f"{fake}:{shim_path}", SLURM_JOB_ID=42, SLURM_JOB_NODELIST="node0", SLURM_JOB_NUM_NODES=1)
+    sbatch = ROOT / "launch" / "slurm_32b.sbatch"
+    assert "#SBATCH --signal=B:USR1@" in sbatch.read_text()
+    proc = subprocess.Popen(["bash", str(sbatch)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.is_file() and "ready" in log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() in (None, code)
+            time.sleep(0.05)
+        if signal_name:
+            time.sleep(0.2)  # the trap is set right after srun starts
+            proc.send_signal(getattr(signal, f"SIG{signal_name}"))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stand-in srun, should the job shell be gone
+        except ProcessLookupError:
+            pass
+    calls = log.read_text()
+    assert proc.returncode == code, out + err + calls
+    assert ("srun got USR1" in calls) == bool(signal_name)
+    assert ("scontrol requeue 42" in calls) == (code == 75), calls

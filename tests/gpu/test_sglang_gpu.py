@@ -1,8 +1,11 @@
 """SGLang on a GPU: the colocated ``sglang`` engine and the ``sglang-server`` adapter against the
-real SGLang, checked against transformers across weight swaps A -> B -> A.
+real SGLang, both built from a config file through the trainer's path, checked against
+transformers across weight swaps A -> B -> A; the memory phases really free and restore GPU
+memory (``torch.cuda.mem_get_info``: SGLang's memory saver maps its memory outside PyTorch's
+caching allocator, in its scheduler processes); the log-prob convention at temperature 0.7.
 
-Skipped cleanly without CUDA or without sglang installed (SGLang has no CPU path; the CPU
-tests use a recorded fake of its API: tests/unit/test_rollout_sglang.py).
+Skipped cleanly without CUDA or without sglang installed (SGLang has no CPU path; the CPU tests
+check the same adapters against SGLang's recorded API: tests/unit/test_rollout_sglang.py).
 """
 
 from __future__ import annotations
@@ -11,19 +14,20 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 import torch
+import yaml
 
-from megatron_stare.rollout import SamplingParams, build_engine
-from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.config import load_config, validate_config
+from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
+from megatron_stare.rollout.sglang_server import server_command
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 
-from ..unit.test_rollout_hf import (MAX_NEW, PROMPTS, assert_matches_reference, reference_outputs,
-                                    stream_state_dict)
+from ..unit.test_rollout_hf import (MAX_NEW, PROMPTS, assert_matches_reference, mean_abs_logprob_gap,
+                                    reference_outputs, stream_state_dict)
 
 pytestmark = pytest.mark.gpu
 
@@ -42,28 +46,43 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang_gpu_models")
     a = build_tiny_hf_model("qwen2", root / "A", seed=0)
     b = build_tiny_hf_model("qwen2", root / "B", seed=1)
-    return a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW)
+    return root, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW)
 
 
-def test_sglang_colocated_swaps_sleep_and_logprobs(models):
-    a, b, ref_a, ref_b = models
-    eng = build_engine("sglang", str(a), dtype="float32", mem_fraction_static=0.2,
-                       bucket_bytes=256 << 10)
+def _config(root, model, **rollout):
+    path = root / f"{rollout['engine']}.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(model)}, "data": {"max_prompt_length": 64},
+                                    "rollout": {"max_new_tokens": 64, "gpu_memory_utilization": 0.2, **rollout}}))
+    return validate_config(load_config(str(path)), world_size=1, cuda=True, check_paths=False)
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_sglang_colocated_phases_swaps_and_logprobs(models):
+    import transformers
+
+    root, a, b, ref_a, ref_b = models
+    cfg = _config(root, a, engine="sglang")
+    spec, eng = engine_for_rank(cfg, EngineWorld(cuda=True, local_world_size=torch.cuda.device_count()))
     try:
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
-        free = torch.cuda.mem_get_info()[0]
-        assert eng.sleep() and torch.cuda.mem_get_info()[0] > free
-        assert eng.wake_up()
+        awake = _free()
+        budget = spec.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
+        assert eng.release_memory() is True
+        assert _free() - awake > 0.5 * budget  # weights, KV cache and CUDA graphs released
+        eng.resume_weights()
         eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(b))
+        eng.resume_kv_cache()
+        assert abs(_free() - awake) < 0.05 * budget
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
         eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(a))
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
-        import transformers
-
         model = transformers.AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32)
-        for r in eng.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5)):
-            ref = score_tokens(model, PROMPTS[r.prompt_index], r.token_ids)
-            assert (r.logprobs - ref).abs().max().item() <= 1e-3
+        res = eng.generate(PROMPTS, SamplingParams(n=4, temperature=0.7, max_new_tokens=8, seed=5))
+        assert mean_abs_logprob_gap(res, model, PROMPTS, 0.7) < 1e-4
     finally:
         eng.shutdown()
 
@@ -74,16 +93,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sglang_server_distributed_push(models):
+def test_sglang_server_started_with_the_spec_command(models):
     if torch.cuda.device_count() < 2:
         pytest.skip("the NCCL push needs the server on a second GPU")
-    a, b, _, ref_b = models
+    root, a, b, _, ref_b = models
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(a), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init",
-         "--mem-fraction-static", "0.2"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"}, start_new_session=True)
+    cfg = _config(root, a, engine="sglang-server", server_urls=[f"http://127.0.0.1:{port}"])
+    spec, _ = engine_for_rank(cfg, EngineWorld(rank=1, world_size=2, cuda=True))  # the spec only
+    cmd = server_command(spec, "127.0.0.1", port)
+    proc = subprocess.Popen(list(cmd.argv), env={**os.environ, **cmd.env, "CUDA_VISIBLE_DEVICES": "1"},
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -94,8 +113,7 @@ def test_sglang_server_distributed_push(models):
                 if time.monotonic() > deadline or proc.poll() is not None:
                     pytest.fail("SGLang server did not start")
                 time.sleep(2)
-        eng = build_engine("sglang-server", str(a), base_url=f"http://127.0.0.1:{port}",
-                           weight_backend="nccl", bucket_bytes=256 << 10)
+        _, eng = engine_for_rank(cfg, EngineWorld(cuda=True))  # attaches, checks /server_info
         eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(b))
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
         eng.shutdown()

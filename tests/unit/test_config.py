@@ -65,9 +65,8 @@ def test_overrides_are_typed(files):
     (["model.path=/nonexistent/model"], 1, "model.path: directory not found: /nonexistent/model"),
     (["data.train_path=/nonexistent.jsonl"], 1, "data.train_path: file not found"),
     (["checkpoint.resume=/nonexistent/ckpt"], 1, "checkpoint.resume: checkpoint not found"),
-    (["parallel.sequence_parallel=true", "parallel.tp=2"], 2, "sequence_parallel needs CUDA"),
-    (["parallel.distributed_optimizer=true"], 1, "distributed_optimizer needs CUDA"),
-    (["model.dtype=bfloat16"], 1, "model.dtype=bfloat16 needs CUDA"),
+    (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
+    (["parallel.cp=2"], 3, "world size 3 is not divisible by tp*pp*cp = 1*1*2"),
     (["rollout.engine=sglang"], 1, "rollout.engine=sglang needs CUDA"),
     (["algorithm.stare.top_p=1.5"], 1, "algorithm.stare.top_p must be in (0, 1] (P is the fraction"),
     (["algorithm.policy_loss=ppo2"], 1, "algorithm.policy_loss must be one of"),
@@ -80,6 +79,21 @@ def test_overrides_are_typed(files):
 def test_bad_input_gives_one_clear_line(files, overrides, world, needle):
     msg = _error(overrides, files, world_size=world)
     assert needle in msg, msg
+
+
+def test_sequence_parallel_distributed_optimizer_and_bf16_validate_on_cpu(files):
+    cfg = validate_config(load_config(None, files + [
+        "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true",
+        "model.dtype=bfloat16"]), world_size=4, cuda=False)
+    assert cfg.parallel.sequence_parallel and cfg.model.dtype == "bfloat16"
+
+
+def test_context_parallel_and_packing_validate_on_cpu(files):
+    cfg = validate_config(load_config(None, files + [
+        "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+        "parallel.pack_sequences=false"]), world_size=4, cuda=False)
+    assert cfg.parallel.cp == 2 and cfg.parallel.pack_sequences is False
+    assert load_config(None, files).parallel.pack_sequences is True
 
 
 def test_missing_required_paths():

@@ -86,6 +86,13 @@ def test_memory_components_32b_by_hand():
     engine = plan.engine_kv_gib + plan.engine_weights_gib + plan.engine_workspace_gib
     assert engine == pytest.approx(0.55 * 80)  # vLLM reserves its whole budget
     assert plan.peak_gib == max(plan.phases.values()) and plan.fits
+    # Data-parallel rollout: 4 replicas of TP8, 64 prompts -> 16 each. Sync per rank: the TP
+    # all-gather brings 7 of 8 shards of the stage's split weights; every rank receives the model.
+    assert (L.replicas, L.prompts_per_replica) == (4, 16)
+    split = 32 * (c.attention + c.mlp) / 8 + 152576 * 5120 / 8
+    assert L.sync_gathered_gib == pytest.approx(7 * split * 2 / GiB)
+    assert L.sync_received_gib == pytest.approx(c.total * 2 / GiB)  # the HF model, unpadded
+    assert L.sync_kept_gib == plan.engine_weights_gib and L.sync_kept_gib < L.sync_received_gib / 7
 
 
 def test_recompute_optimizer_and_kl_change_the_right_parts():
@@ -104,11 +111,16 @@ def test_tied_embedding_is_copied_to_the_last_stage():
     hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 1024, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 4096}
-    cfg = load_config(None, ["parallel.pp=2", "rollout.engine=vllm-server", "model.dtype=bfloat16"])
+    cfg = load_config(None, ["parallel.pp=2", "rollout.engine=vllm-server", "model.dtype=bfloat16",
+                             "rollout.server_urls=[http://rollout-node:8000]"])
     plan = estimate_memory(cfg, hf, 2, 80)
     c = param_counts(hf)
     assert plan.weights_gib == pytest.approx(2 * (2 * c.per_layer + 64 + 1024 * 64) / GiB)
+    # An attached server runs on GPUs of its own; a spawned one shares the driver node's GPUs.
     assert plan.engine_weights_gib == 0 and not plan.layout.colocated
+    cfg.rollout.server_urls = []
+    spawned = estimate_memory(cfg, hf, 2, 80)
+    assert spawned.engine_weights_gib > 0 and spawned.layout.colocated and spawned.layout.engine_instances == 1
 
 
 def _run(capsys, args):
@@ -150,3 +162,24 @@ def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
     rc, out, _ = _run(capsys, ["--config", YAML32, "--world-size", 32, "--hf-config", QWEN32,
                                "rollout.gpu_memory_utilization=0.12"])
     assert rc == 3 and "less than one 22528-token sequence" in out
+
+
+def test_plan_phases_are_the_training_loops():
+    """One phase list (rollout/phases.py) for the loop and the planner; each phase holds what
+    the engine holds then: everything while awake, a residue while released, the weights again
+    from resume_w (plus one bucket in sync), everything from resume_kv."""
+    from megatron_stare.plan import PHASES
+    from megatron_stare.rollout.phases import PHASES as STEP
+
+    assert PHASES == tuple(p.name for p in STEP) == (
+        "generate", "gather", "score", "release", "train", "resume_w", "sync", "resume_kv")
+    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    ph = p.phases
+    awake = p.engine_weights_gib + p.engine_kv_gib + p.engine_workspace_gib
+    assert ph["generate"] == ph["gather"] == ph["score"] == ph["resume_kv"] == p.peak_gib
+    assert ph["release"] == pytest.approx(ph["generate"] - awake + p.engine_asleep_gib)
+    assert ph["train"] == pytest.approx(ph["release"] + p.activations_gib + p.logits_gib)
+    assert ph["resume_w"] == pytest.approx(ph["release"] + p.engine_weights_gib)
+    assert ph["sync"] == pytest.approx(ph["resume_w"] + p.sync_bucket_gib)
+    header = next(ln for ln in p.format().splitlines() if ln.strip().startswith("component"))
+    assert header.split()[1:] == list(PHASES)

@@ -148,6 +148,50 @@ def test_pool_kills_and_replaces_a_stuck_worker(tmp_path, monkeypatch):
             pool.submit(["x", "raise"], ["x", "x"]).result(timeout=60)
 
 
+_SLOW_MATH_MODULE = """
+import time
+from megatron_stare.rewards import math_reward
+
+def reward(response, answer, metadata):
+    if response == "slow":
+        time.sleep(60)
+    return math_reward(response, answer, metadata)
+"""
+
+
+def test_pool_replaces_a_killed_math_worker_and_survives_preemption_signals(tmp_path, monkeypatch, caplog):
+    """A math-verify worker killed mid-call (SIGKILL): that response scores 0, the crash is
+    counted and logged, a new worker takes its place; the others' scores are untouched. The
+    trainer's preemption signals (SIGTERM, SIGUSR1, which torchrun sends to the trainer's whole
+    process group) leave the workers alive."""
+    import os
+    import signal
+
+    (tmp_path / "slow_math_mod.py").write_text(_SLOW_MATH_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RewardConfig(fn="slow_math_mod:reward", timeout_s=120, num_workers=2)
+    with RewardPool(cfg) as pool, caplog.at_level("WARNING"):
+        assert pool.score(["\\boxed{2}", "\\boxed{3}"], ["2", "2"]) == [1.0, 0.0]  # both ready
+        pids = [w.proc.pid for w in pool._workers]
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGUSR1)
+        assert pool.score(["\\boxed{2}", "\\boxed{3}"], ["2", "3"]) == [1.0, 1.0]
+        assert [w.proc.pid for w in pool._workers] == pids and all(w.proc.poll() is None for w in pool._workers)
+        fut = pool.submit(["\\boxed{4}", "slow", "Answer: 5", "\\boxed{6}"], ["4", "slow", "5", "7"])
+        deadline = time.monotonic() + 60
+        while not any(w.job is not None and w.job[1] == 1 for w in pool._workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        victim = next(w for w in pool._workers if w.job is not None and w.job[1] == 1)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        assert fut.result(timeout=60) == [1.0, 0.0, 1.0, 0.0]
+        assert fut.num_crashes == 1 and fut.num_timeouts == 0
+        assert f"worker {victim.proc.pid} died (exit code -9); restarting it" in caplog.text
+        assert pool.score(["\\boxed{8}"] * 3, ["8"] * 3) == [1.0] * 3  # the replacement scores
+        assert victim not in pool._workers and len(pool._workers) == 2
+
+
 def test_pool_rejects_bad_fn_and_mismatched_lengths():
     with pytest.raises(RewardError, match="cannot import"):
         RewardPool(RewardConfig(fn="nope.nope:f", num_workers=0))

@@ -2,7 +2,9 @@
 
 ``reference_outputs`` (also used by the vLLM tests) is the oracle: greedy decoding with a FULL
 forward per step (no KV cache) in fp32, and the log-probs of the decoded sequence from one full
-forward - independent of every engine's own loop.
+forward - independent of every engine's own loop. ``trainer_logprobs`` scores sampled tokens the
+way the trainer's log-prob pass does (its vocab-parallel kernel at the rollout temperature):
+engines must match it at any temperature (the log-prob convention of ``rollout/base.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from typing import List, Sequence, Tuple
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from megatron_stare.rollout import SamplingParams, build_engine
+from megatron_stare.config import load_config, validate_config
+from megatron_stare.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
 from megatron_stare.rollout.hf_engine import filter_logits, score_tokens
+from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, iter_buckets, tensor_checksum
 
@@ -39,6 +45,39 @@ def reference_outputs(model_dir, prompts: Sequence[Sequence[int]], max_new: int
         resp = ids[len(p):]
         out.append((resp, score_tokens(model, p, resp)))
     return out
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompt: Sequence[int], response: Sequence[int], temperature: float) -> torch.Tensor:
+    """``[T]`` log-probs of ``response`` as the trainer's log-prob pass computes them: its
+    vocab-parallel kernel on the model's logits at ``temperature`` (whole vocabulary)."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = model(input_ids=ids).logits[0].float()
+    P, T = len(prompt), len(response)
+    out = vocab_parallel_logprobs_entropy(logits[P - 1:P - 1 + T], ids[0, P:], temperature=temperature,
+                                          with_entropy=False)
+    return out.logprobs
+
+
+def mean_abs_logprob_gap(results, model, prompts, temperature: float) -> float:
+    """Mean over all sampled tokens of |engine log-prob - trainer log-prob|."""
+    gaps = torch.cat([(r.logprobs - trainer_logprobs(model, prompts[r.prompt_index], r.token_ids, temperature)).abs()
+                      for r in results])
+    return float(gaps.mean())
+
+
+def write_engine_config(path: Path, model_dir, **rollout) -> Path:
+    """A run's YAML as a user writes it: the engine comes from it alone."""
+    cfg = {"model": {"path": str(model_dir)}, "data": {"max_prompt_length": 64},
+           "rollout": {"max_new_tokens": 64, "verify_sync": True, **rollout}, "trainer": {"seed": 0}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def engine_from_config_file(path: Path, world: EngineWorld = EngineWorld()):
+    """The trainer's path: load and validate the config, then ``engine_for_rank``."""
+    cfg = validate_config(load_config(str(path)), world_size=world.world_size, check_paths=False)
+    return engine_for_rank(cfg, world)
 
 
 def stream_state_dict(model_dir, bucket_bytes: int = 64 * 1024):
@@ -81,6 +120,19 @@ def test_greedy_and_logprobs_match_transformers_across_weight_swaps(models):
     eng.shutdown()
 
 
+def test_hf_builds_from_a_config_file_through_the_trainers_path(models, tmp_path):
+    """engine_for_rank (what the Trainer calls): the policy's dtype, on the driver only."""
+    a, _, ref_a, _ = models
+    spec, eng = engine_from_config_file(write_engine_config(tmp_path / "run.yaml", a, engine="hf"))
+    assert (spec.context_length, spec.dtype, eng.device.type) == (128, "float32", "cpu")
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
+    cfg = tmp_path / "bf16.yaml"
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load((tmp_path / "run.yaml").read_text()),
+                                   "model": {"path": str(a), "dtype": "bfloat16"}}))
+    assert next(engine_from_config_file(cfg)[1].model.parameters()).dtype == torch.bfloat16
+    assert engine_from_config_file(cfg, EngineWorld(rank=1, world_size=2))[1] is None  # driver only
+
+
 def test_greedy_equals_transformers_generate(models):
     import transformers
 
@@ -98,7 +150,7 @@ def test_sampling_is_seeded_and_logprobs_are_the_models(models):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32)
-    params = SamplingParams(n=3, temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=6, seed=7)
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=6, seed=7)
     r1 = eng.generate(PROMPTS, params)
     assert len(r1) == len(PROMPTS) * 3
     assert [r.token_ids for r in eng.generate(PROMPTS, params)] == [r.token_ids for r in r1]
@@ -108,11 +160,29 @@ def test_sampling_is_seeded_and_logprobs_are_the_models(models):
     assert len({tuple(r.token_ids) for r in r1[:3]}) > 1  # samples of one prompt differ
     other = eng.generate(PROMPTS[:1], SamplingParams(**{**params.__dict__, "seed": 8}))
     assert [r.token_ids for r in other] != [r.token_ids for r in alone]
-    for r in r1:
-        ref = score_tokens(model, PROMPTS[r.prompt_index], r.token_ids)
+    for r in r1:  # the distribution sampled from: temperature, top-k, top-p, renormalised
+        ref = score_tokens(model, PROMPTS[r.prompt_index], r.token_ids, 0.8, 50, 0.9)
         assert (r.logprobs - ref).abs().max().item() <= LOGPROB_ATOL
         assert r.finish_reason in ("stop", "length")
     eng.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_match_the_trainers_convention(models, temperature):
+    """The training setting (no top-k/top-p): engine log-probs are the trainer's, at any
+    temperature; the raw-logit log-probs of the old convention are not (at T != 1)."""
+    import transformers
+
+    a = models[0]
+    eng = build_engine("hf", str(a))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32)
+    res = eng.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, max_new_tokens=8, seed=3))
+    gap = mean_abs_logprob_gap(res, model, PROMPTS, temperature)
+    print(f"hf engine vs trainer, T={temperature}: mean |dlogp| = {gap:.2e}")
+    assert gap < 1e-4
+    raw = torch.cat([score_tokens(model, PROMPTS[r.prompt_index], r.token_ids) for r in res])
+    trainer = torch.cat([trainer_logprobs(model, PROMPTS[r.prompt_index], r.token_ids, temperature) for r in res])
+    assert (temperature == 1.0) == bool(float((raw - trainer).abs().mean()) < 1e-4)
 
 
 def test_stop_tokens_and_finish_reasons(models):
@@ -147,14 +217,27 @@ def test_update_rejects_unknown_names_and_shapes(models):
         eng.update_weights([("model.norm.weight", torch.zeros(3))])
 
 
-def test_sleep_is_reported_not_faked_on_cpu(models, caplog):
-    a, _, _, _ = models
+def test_memory_phases_in_order_and_reported_not_faked_on_cpu(models, caplog):
+    a, b, _, ref_b = models
     eng = build_engine("hf", str(a), device="cpu")
-    assert eng.supports_sleep is False
+    assert eng.memory_release.frees is False and "host memory" in eng.memory_release.how
     with caplog.at_level("WARNING"):
-        assert eng.sleep() is False
-    assert "sleep" in caplog.text
-    assert eng.wake_up() is False
+        assert eng.release_memory() is False
+    assert eng.memory is EngineMemory.RELEASED
+    with pytest.raises(RuntimeError, match="generate\\(\\) needs its memory AWAKE, but it is RELEASED"):
+        eng.generate(PROMPTS, GREEDY)
+    with pytest.raises(RuntimeError, match="weight update while its memory is RELEASED"):
+        eng.update_weights(stream_state_dict(b))
+    with pytest.raises(RuntimeError, match="resume_kv_cache\\(\\) needs its memory WEIGHTS"):
+        eng.resume_kv_cache()
+    eng.resume_weights()
+    eng.update_weights(stream_state_dict(b))  # phase 7 between the two resumes
+    eng.resume_kv_cache()
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
+    eng.release_memory(), eng.resume_weights(), eng.resume_kv_cache()
+    said = [r.getMessage() for r in caplog.records if "cannot release memory" in r.getMessage()]
+    assert said == ["hf engine: cannot release memory (its weights already live in host memory (cpu)); "
+                    "it stays allocated while the trainer trains"]  # once, for two releases
 
 
 def test_filter_logits_top_k_top_p():

@@ -1,23 +1,51 @@
-"""SGLang adapters against a recorded fake of SGLang's API (SGLang cannot run on CPU).
+"""SGLang adapters against SGLang's real API as recorded from the pinned wheel (SGLang cannot run
+on CPU): the spec's translation against the real ``ServerArgs`` fields and CLI flags, the
+adapters against fakes whose every call is bound to the real ``Engine`` signatures and whose
+rules are SGLang's (weight updates only inside ``begin/end_weight_update``; memory tags
+released and resumed as its ``release/resume_memory_occupation`` keep them).
 
-The fakes enforce the protocol SGLang enforces: tensor updates only inside
-``begin_weight_update`` / ``end_weight_update`` (as 0.5.23 does), caches flushed after the
-update, weights resumed before the KV cache. The server fake is a real HTTP server on
-127.0.0.1 whose ``/init_weights_update_group`` joins a real gloo group with the trainer and
-whose ``/update_weights_from_distributed`` receives the trainer's broadcasts.
+The recorded API is ``tests/fixtures/sglang_0.5.23_api.json`` (``tests/fixtures/sglang_api.py``
+says how it is made; with ``SGLANG_WHEEL`` set, it is checked against the wheel). The server
+fake is a real HTTP server on 127.0.0.1 that answers only SGLang's real routes, whose
+``/init_weights_update_group`` joins a real gloo group with the trainer and whose
+``/update_weights_from_distributed`` receives the trainer's broadcasts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from megatron_stare.rollout import SamplingParams, build_engine
-from megatron_stare.rollout.sglang_engine import SGLangEngine, SGLangServerEngine, init_named_weight_group
-from megatron_stare.weight_sync.plan import dtype_from_name
+from megatron_stare.config import load_config, validate_config
+from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
+from megatron_stare.rollout import sglang_engine
+from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.rollout.sglang_engine import SGLangEngine, engine_kwargs
+from megatron_stare.rollout.sglang_server import SGLangServerEngine, server_command
+from megatron_stare.weight_sync import dtype_from_name, init_named_weight_group
+
+from ..fixtures.sglang_api import extract, recorded, signature
+
+API = recorded()
+GPU_WORLD = EngineWorld(rank=0, world_size=4, local_rank=0, local_world_size=4, cuda=True, process_group=True)
+
+
+def _type_ok(value, typ: str) -> bool:
+    """``value`` fits SGLang's declared type (the scalar types the adapters send)."""
+    if typ.startswith("Optional["):
+        if value is None:
+            return True
+        typ = typ[len("Optional["):-1]
+    checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool)}
+    return checks[typ](value)
 
 
 def _named(seed: int):
@@ -26,51 +54,85 @@ def _named(seed: int):
         ("model.norm.weight", torch.randn(32, generator=g).to(torch.bfloat16))]
 
 
-class FakeSGLang:
-    """Records calls; refuses what SGLang refuses; 'generates' from the weights it holds."""
+def _config(tmp_path: Path, **rollout):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"path": "/models/policy", "dtype": "bfloat16"}, "data": {"max_prompt_length": 100},
+        "rollout": {"max_new_tokens": 28, "gpu_memory_utilization": 0.4, **rollout}, "trainer": {"seed": 7}}))
+    return validate_config(load_config(str(path)), world_size=4, cuda=True, check_paths=False)
 
-    def __init__(self):
-        self.calls, self.weights, self.in_update, self.dirty = [], {}, False, False
-        self.released = set()
 
-    def begin_weight_update(self):
+# ---------------------------------------------------------------------------- the recorded API
+def test_recorded_api_is_the_pinned_wheels():
+    wheel = os.environ.get("SGLANG_WHEEL")
+    pins = (Path(__file__).parents[2] / "requirements" / "gpu-sglang-constraints.txt").read_text()
+    assert f"sglang=={API['sglang']}" in pins  # the record is of the release the GPU recipe pins
+    if not wheel:
+        pytest.skip("set SGLANG_WHEEL=path/to/sglang-<pinned>.whl to check the record against the wheel")
+    assert extract(wheel) == API
+
+
+class RecordedSGLangEngine:
+    """Stands in for ``sglang.Engine``: every call bound to the real signature, constructor
+    arguments checked against the real ``ServerArgs`` fields and types, SGLang's rules kept."""
+
+    def __init__(self, **kwargs):
+        bad = {k: v for k, v in kwargs.items()
+               if k not in API["server_args"] or not _type_ok(v, API["server_args"][k]["type"])}
+        assert not bad, f"not SGLang ServerArgs fields (or wrong types): {bad}"
+        self.server_args = kwargs
+        self.calls, self.weights, self.in_update = [], {}, False
+        self.kv_stale = False  # the KV cache holds entries computed from replaced weights
+        self.offload_tags: set = set()
+
+    def _call(self, method, *args, **kwargs):
+        signature(method, API).bind(*args, **kwargs)  # TypeError unless SGLang takes these arguments
+        self.calls.append((method, kwargs.get("tags")))
+
+    def begin_weight_update(self, *a, **k):
+        self._call("begin_weight_update", *a, **k)
         assert not self.in_update, "weight update session already open"
-        self.calls.append(("begin",))
         self.in_update = True
 
-    def end_weight_update(self):
+    def end_weight_update(self, *a, **k):
+        self._call("end_weight_update", *a, **k)
         assert self.in_update, "no weight update session open"
-        self.calls.append(("end",))
         self.in_update = False
 
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+    def update_weights_from_tensor(self, *a, **k):
+        self._call("update_weights_from_tensor", *a, **k)
         if not self.in_update:
             raise RuntimeError("update_weights_from_tensor refused outside begin/end_weight_update")
-        assert load_format is None
-        self.calls.append(("tensor", [n for n, _ in named_tensors], flush_cache))
-        self.weights.update((n, t.clone()) for n, t in named_tensors)
-        self.dirty = True
+        assert "weights" not in self.offload_tags, "weights loaded into released memory"
+        assert k["flush_cache"] is False
+        self.weights.update((n, t.clone()) for n, t in k["named_tensors"])
+        self.kv_stale = "kv_cache" not in self.offload_tags
 
-    def flush_cache(self):
-        self.calls.append(("flush",))
-        self.dirty = False
+    def flush_cache(self, *a, **k):
+        self._call("flush_cache", *a, **k)
+        self.kv_stale = False
 
-    def generate(self, input_ids, sampling_params, return_logprob):
-        assert return_logprob and not self.dirty and not self.released, "stale cache / asleep"
-        self.calls.append(("generate", len(input_ids)))
-        return [fake_generation(ids, sp, self.weights) for ids, sp in zip(input_ids, sampling_params)]
+    def generate(self, *a, **k):
+        self._call("generate", *a, **k)
+        assert k["return_logprob"] and not self.offload_tags, f"generate with {self.offload_tags} released"
+        assert not self.kv_stale, "stale KV cache after an update"
+        assert all(set(sp) <= set(API["sampling_params"]) for sp in k["sampling_params"])
+        return [fake_generation(ids, sp, self.weights) for ids, sp in zip(k["input_ids"], k["sampling_params"])]
 
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release", tags))
-        self.released = {"weights", "kv_cache"}
+    def release_memory_occupation(self, *a, **k):  # as SGLang's weight_updater does
+        self._call("release_memory_occupation", *a, **k)
+        tags = k.get("tags") or API["memory_tags"]
+        self.offload_tags |= set(tags)
+        if "kv_cache" in tags:
+            self.kv_stale = False  # releasing the KV cache flushes it
 
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tags))
-        assert tags != ["kv_cache"] or "weights" not in self.released, "KV cache resumed before weights"
-        self.released -= set(tags or ["weights", "kv_cache"])
+    def resume_memory_occupation(self, *a, **k):
+        self._call("resume_memory_occupation", *a, **k)
+        for tag in k.get("tags") or API["memory_tags"]:
+            self.offload_tags.remove(tag)  # KeyError for a tag that is not released, as in SGLang
 
-    def shutdown(self):
-        self.calls.append(("shutdown",))
+    def shutdown(self, *a, **k):
+        self._call("shutdown", *a, **k)
 
 
 def fake_generation(ids, sp, weights):
@@ -87,15 +149,104 @@ def fake_generation(ids, sp, weights):
         "output_token_logprobs": [(-0.5 - 0.01 * t, t, None) for t in out]}}
 
 
+# ---------------------------------------------------------------------------- the spec's translation
+def test_spec_translates_into_real_server_args(tmp_path):
+    from megatron_stare.rollout import EngineSpec
+
+    cfg = _config(tmp_path, engine="sglang", tp=2)
+    world = EngineWorld(rank=2, world_size=4, local_rank=2, local_world_size=4, cuda=True)
+    kw = engine_kwargs(EngineSpec.from_config(cfg, world))
+    bad = {k: v for k, v in kw.items()
+           if k not in API["server_args"] or not _type_ok(v, API["server_args"][k]["type"])}
+    assert not bad
+    assert kw == {"model_path": "/models/policy", "tp_size": 2, "dtype": "bfloat16", "context_length": 128,
+                  "mem_fraction_static": 0.4, "base_gpu_id": 2, "random_seed": 7, "skip_tokenizer_init": True,
+                  "enable_memory_saver": True}
+    # The names vLLM uses are not SGLang's: the old kwargs (max_model_len) would not exist there.
+    assert "max_model_len" not in API["server_args"] and "tensor_parallel_size" not in API["server_args"]
+
+
+def _parse_flags(argv):
+    """SGLang's CLI, as recorded: ``{field: value}`` from ``--flag [value]`` tokens."""
+    by_flag = {f: name for name, a in API["server_args"].items() for f in a["flags"]}
+    out, i = {}, 0
+    while i < len(argv):
+        assert argv[i] in by_flag, f"{argv[i]} is not an SGLang server flag"
+        name = by_flag[argv[i]]
+        if API["server_args"][name]["store_true"]:
+            out[name], i = True, i + 1
+        else:
+            typ = API["server_args"][name]["type"].removeprefix("Optional[").rstrip("]")
+            out[name], i = {"int": int, "float": float, "str": str}[typ](argv[i + 1]), i + 2
+    return out
+
+
+def test_server_command_uses_real_flags_and_the_logprob_convention(tmp_path):
+    from megatron_stare.rollout.server_cmd import command_for
+
+    cfg = _config(tmp_path, engine="sglang-server", tp=2, server_urls=["http://rollout-node:31000"])
+    spec, _ = engine_for_rank(cfg, EngineWorld(rank=1, world_size=4, cuda=True))  # no client on rank 1
+    cmd = server_command(spec, "0.0.0.0", 31000)
+    assert cmd.argv[1:3] == ("-m", "sglang.launch_server")
+    assert _parse_flags(list(cmd.argv[3:])) == {
+        "model_path": "/models/policy", "host": "0.0.0.0", "port": 31000, "tp_size": 2, "dtype": "bfloat16",
+        "context_length": 128, "mem_fraction_static": 0.4, "random_seed": 7, "skip_tokenizer_init": True}
+    # SGLang's sampler divides by the temperature unless this switch asks for raw log-probs.
+    assert API["sampler_divides_by_temperature"] and cmd.env == {API["raw_logprob_env"]: "false"}
+    line = command_for(cfg, "0.0.0.0", None)  # what a launch script runs; the URL's port
+    assert line.startswith("SGLANG_RETURN_ORIGINAL_LOGPROB=false ") and "--port 31000" in line
+
+
+# ---------------------------------------------------------------------------- colocated engine
+def test_sglang_builds_from_a_config_file_through_the_trainers_path(tmp_path, monkeypatch):
+    """engine_for_rank (what the Trainer calls): one Engine per TP group, on its leader rank."""
+    monkeypatch.setattr(sglang_engine, "sglang_engine_class", lambda: RecordedSGLangEngine)
+    cfg = _config(tmp_path, engine="sglang", tp=2)
+    built = {r: engine_for_rank(cfg, EngineWorld(rank=r, world_size=4, local_rank=r, local_world_size=4,
+                                                 cuda=True))[1] for r in range(4)}
+    assert built[1] is None and built[3] is None
+    assert built[0].engine.server_args["base_gpu_id"] == 0 and built[2].engine.server_args["base_gpu_id"] == 2
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return raw-logit"):
+        engine_for_rank(cfg, GPU_WORLD)
+
+
+def test_colocated_phases_release_and_resume_every_tag_in_order():
+    """release -> resume weights -> sync (no flush: the KV cache is released) -> resume KV and
+    CUDA graphs. SGLang's own bookkeeping (the recorded fake's) ends with nothing released."""
+    fake = RecordedSGLangEngine()
+    eng = SGLangEngine("unused", engine=fake, bucket_bytes=20_000)
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=5, seed=4)
+    eng.update_weights(iter(_named(0)))
+    before = eng.generate([[1, 2, 3]], params)
+    fake.calls.clear()
+    assert eng.release_memory() is True and fake.offload_tags == {"kv_cache", "weights", "cuda_graph"}
+    eng.resume_weights()
+    eng.update_weights(iter(_named(1)))
+    eng.resume_kv_cache()
+    after = eng.generate([[1, 2, 3]], params)
+    assert [c for c in fake.calls if c[0] != "update_weights_from_tensor"] == [
+        ("release_memory_occupation", None), ("resume_memory_occupation", ["weights"]),
+        ("begin_weight_update", None), ("end_weight_update", None),
+        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]), ("generate", None)]
+    assert fake.offload_tags == set() and after[0].token_ids != before[0].token_ids  # new weights
+    # The guard this replaces: resuming weights then kv_cache alone left the CUDA graphs released.
+    old = RecordedSGLangEngine()
+    old.release_memory_occupation(tags=None)
+    old.resume_memory_occupation(tags=["weights"])
+    old.resume_memory_occupation(tags=["kv_cache"])
+    assert old.offload_tags == {"cuda_graph"}
+    with pytest.raises(KeyError):  # and SGLang refuses to resume what is not released
+        old.resume_memory_occupation(tags=["weights"])
+
+
 def test_colocated_update_protocol_and_results():
-    fake = FakeSGLang()
+    fake = RecordedSGLangEngine()
     eng = build_engine("sglang", "unused", engine=fake, bucket_bytes=20_000)
     eng.update_weights(iter(_named(0)))
     kinds = [c[0] for c in fake.calls]
-    assert kinds[0] == "begin" and kinds[-2:] == ["end", "flush"]
-    tensor_calls = [c for c in fake.calls if c[0] == "tensor"]
-    assert len(tensor_calls) > 1  # bucketed
-    assert all(flush is False for *_, flush in tensor_calls)  # one flush, after the whole update
+    assert kinds[0] == "begin_weight_update" and kinds[-2:] == ["end_weight_update", "flush_cache"]
+    assert kinds.count("update_weights_from_tensor") > 1  # bucketed, one flush after the whole update
     assert sorted(fake.weights) == sorted(n for n, _ in _named(0))
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=4)
     res = eng.generate([[1, 2, 3], [4, 5]], params)
@@ -110,7 +261,7 @@ def test_colocated_update_protocol_and_results():
 
 
 def test_colocated_update_closes_the_session_on_error():
-    fake = FakeSGLang()
+    fake = RecordedSGLangEngine()
     eng = SGLangEngine("unused", engine=fake)
 
     def broken():
@@ -119,18 +270,7 @@ def test_colocated_update_closes_the_session_on_error():
 
     with pytest.raises(OSError):
         eng.update_weights(broken())
-    assert fake.in_update is False and fake.calls[-1] == ("end",)
-
-
-def test_colocated_sleep_resumes_weights_first():
-    fake = FakeSGLang()
-    eng = SGLangEngine("unused", engine=fake)
-    assert eng.supports_sleep and eng.sleep()
-    assert eng.wake_up()
-    assert [c for c in fake.calls if c[0] in ("release", "resume")] == [
-        ("release", None), ("resume", ["weights"]), ("resume", ["kv_cache"])]
-    eng.shutdown()
-    assert fake.calls[-1] == ("shutdown",)
+    assert fake.in_update is False and fake.calls[-1][0] == "end_weight_update"
 
 
 def test_real_sglang_needs_cuda():
@@ -145,14 +285,17 @@ class _FakeServerState:
     """The fake SGLang server's state; runs in its own process (a gloo group cannot be formed
     by two threads of one process: the backend's constructor holds the GIL)."""
 
-    def __init__(self):
-        self.calls, self.weights, self.in_update, self.group = [], {}, False, None
+    def __init__(self, info):
+        self.calls, self.weights, self.in_update, self.group, self.info = [], {}, False, None, info
 
     def handle(self, path, b):
         if path == "/_inspect":  # test-only: what the server holds
             return {"calls": self.calls, "weights": {n: [t.double().sum().item(), str(t.dtype),
                                                          list(t.shape)] for n, t in self.weights.items()}}
+        assert path in API["routes"], f"SGLang has no route {path}"
         self.calls.append(path)
+        if path == "/server_info":
+            return self.info
         if path == "/init_weights_update_group":
             assert b["rank_offset"] == 1 and b["world_size"] == 2
             self.group = init_named_weight_group(b["master_address"], b["master_port"], 1,
@@ -174,15 +317,14 @@ class _FakeServerState:
         return {"success": True, "message": "ok"}
 
 
-def _serve_fake(queue):
-    state = _FakeServerState()
+def _serve_fake(queue, info):
+    state = _FakeServerState(info)
 
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        def _answer(self, body):
             try:
                 out, code = state.handle(self.path, body), 200
             except Exception as e:  # noqa: BLE001
@@ -194,24 +336,49 @@ def _serve_fake(queue):
             self.end_headers()
             self.wfile.write(data)
 
+        def do_POST(self):
+            self._answer(json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}"))
+
+        def do_GET(self):
+            self._answer({})
+
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
     queue.put(f"http://127.0.0.1:{httpd.server_address[1]}")
     httpd.serve_forever()
 
 
-@pytest.fixture
+SERVER_INFO = {"tp_size": 1, "dtype": "bfloat16", "context_length": 4096, "skip_tokenizer_init": True}
+
+
+@pytest.fixture(scope="module")
 def fake_server():
     import multiprocessing as mp
 
+    assert set(SERVER_INFO) <= set(API["server_args"])  # /server_info reports ServerArgs fields
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_serve_fake, args=(q,), daemon=True)
+    proc = ctx.Process(target=_serve_fake, args=(q, SERVER_INFO), daemon=True)
     proc.start()
     try:
         yield q.get(timeout=60)
     finally:
         proc.kill()
         proc.join()
+
+
+def test_server_attaches_from_a_config_file_and_checks_the_server(fake_server, tmp_path):
+    cfg = _config(tmp_path, engine="sglang-server", server_urls=[fake_server])
+    spec, eng = engine_for_rank(cfg, GPU_WORLD)
+    assert spec.devices.gpu_ids == () and eng.memory_release.frees is False  # GPUs of its own
+    assert eng.world == 1 and eng.weight_backend == "nccl" and eng.group_host == "127.0.0.1"
+    assert eng.release_memory() is False and eng.memory is EngineMemory.RELEASED
+    eng.resume_weights(), eng.resume_kv_cache()
+    bad = _config(tmp_path, engine="sglang-server", server_urls=[fake_server], tp=2, max_new_tokens=4000)
+    with pytest.raises(ValueError) as e:
+        engine_for_rank(bad, GPU_WORLD)
+    assert str(e.value) == (f"sglang-server at {fake_server} does not match the run: tp_size 1 (the run needs 2), "
+                            f"context_length 4096 (the run needs 4100); start it with the command "
+                            f"`python -m megatron_stare.rollout.server_cmd` prints")
 
 
 def test_server_adapter_distributed_update_over_gloo(fake_server):
@@ -238,3 +405,28 @@ def test_server_adapter_distributed_update_over_gloo(fake_server):
         eng.shutdown()
 
 
+def test_server_adapter_names_a_dead_server():
+    """A server gone mid-request (the connection drops without a reply) or before it (refused):
+    one line naming the server and the call, at once."""
+    import socket
+    import threading
+
+    from megatron_stare.rollout.vllm_server import EngineFailure
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def drop_one():  # reads the request, then dies without answering
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    t = threading.Thread(target=drop_one)
+    t.start()
+    eng = SGLangServerEngine(base_url=url, request_timeout_s=30)
+    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /generate \(RemoteDisconnected"):
+        eng.generate([[3, 4]], SamplingParams(max_new_tokens=2))
+    t.join()
+    listener.close()
+    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /flush_cache \(URLError: "):
+        eng._post("/flush_cache")

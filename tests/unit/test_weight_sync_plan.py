@@ -8,7 +8,7 @@ import torch
 from megatron_stare.weight_sync import (FlatBucket, InProcessTransport, PeakMemory, ProcessGroupReceiver,
                                         ProcessGroupSender, compare_checksums, iter_buckets,
                                         iter_flat_buckets, tensor_checksum)
-from megatron_stare.weight_sync.plan import ALIGN_BYTES
+from megatron_stare.weight_sync import ALIGN_BYTES, decode_header
 
 
 def _tensors():
@@ -64,7 +64,7 @@ def test_flat_bucket_round_trip_is_bit_exact_and_aligned():
         assert torch.equal(out[name], t)
         if t.numel():
             assert out[name].untyped_storage().data_ptr() == flat.buffer.untyped_storage().data_ptr()
-    metas = FlatBucket.metas_from_bytes(flat.metadata_bytes())
+    metas = decode_header(flat.header(), flat.nbytes)
     assert metas == flat.metas
 
 
@@ -118,11 +118,13 @@ def test_peak_memory_measures_torch_allocations():
 def test_process_group_wire_format_round_trip_and_buffer_reuse():
     """Broadcasts recorded on the sending side and replayed into a receiver (the multi-process
     run is tests/distributed/test_weight_sync_pg.py)."""
-    import megatron_stare.weight_sync.transport as tr
+    import megatron_stare.weight_sync.wire as tr
 
     sent = []
-    orig = tr.broadcast
+    orig, orig_async = tr.broadcast, tr.broadcast_async
     tr.broadcast = lambda tensor, root, group: sent.append(tensor.clone())
+    # the sender leaves data broadcasts in flight: record them too (None: already complete)
+    tr.broadcast_async = lambda tensor, root, group: tr.Pending(tensor, lambda t: sent.append(t.clone()))
     try:
         stats = ProcessGroupSender(object(), 0, device=torch.device("cpu")).send(iter(_tensors()), 1024)
         replay = iter(sent)
@@ -134,7 +136,7 @@ def test_process_group_wire_format_round_trip_and_buffer_reuse():
             storages.add(t.untyped_storage().data_ptr())
             del t
     finally:
-        tr.broadcast = orig
+        tr.broadcast, tr.broadcast_async = orig, orig_async
     for n, t in _tensors():
         assert torch.equal(got[n], t) and got[n].dtype == t.dtype
     assert recv.stats.num_buckets == stats.num_buckets and recv.stats.bytes == stats.bytes
@@ -144,11 +146,13 @@ def test_process_group_wire_format_round_trip_and_buffer_reuse():
 
 def _record_and_replay(send):
     """Run ``send(sender)`` with broadcasts recorded, then replay them into a receiver."""
-    import megatron_stare.weight_sync.transport as tr
+    import megatron_stare.weight_sync.wire as tr
 
     sent = []
-    orig = tr.broadcast
+    orig, orig_async = tr.broadcast, tr.broadcast_async
     tr.broadcast = lambda tensor, root, group: sent.append(tensor.clone())
+    # the sender leaves data broadcasts in flight: record them too (None: already complete)
+    tr.broadcast_async = lambda tensor, root, group: tr.Pending(tensor, lambda t: sent.append(t.clone()))
     try:
         try:
             send(ProcessGroupSender(object(), 0, device=torch.device("cpu")))
@@ -159,18 +163,12 @@ def _record_and_replay(send):
         recv = ProcessGroupReceiver(object(), 0, device=torch.device("cpu"))
         return {n: t.clone() for n, t in recv.receive()}, recv.stats
     finally:
-        tr.broadcast = orig
+        tr.broadcast, tr.broadcast_async = orig, orig_async
 
 
 def test_ready_flat_buckets_are_sent_without_repacking():
-    class ExportBucket(list):  # the Megatron export's bucket shape: .flat + .meta
-        def __init__(self, flat, meta):
-            super().__init__()
-            self.flat, self.meta = flat, meta
-
     named = _tensors()
-    packed = FlatBucket.pack(named)
-    b = ExportBucket(packed.buffer, [(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in packed.metas])
+    b = FlatBucket.pack(named)  # the Megatron export's bucket type
     got, stats = _record_and_replay(lambda s: s.send_buckets([b, [("z", torch.ones(3))]]))
     assert stats.num_buckets == 2
     for n, t in named + [("z", torch.ones(3))]:

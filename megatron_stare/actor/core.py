@@ -1,0 +1,121 @@
+"""``MegatronActor``: the policy (and optional reference) stage on this rank, its DDP wrapper
+and optimizer, and the step's public calls, each handed to the part that does the work."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_stare.actor.batches import prepare_batches
+from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
+from megatron_stare.actor.logprob_pass import fill_old_logprobs
+from megatron_stare.actor.loss_plans import plan_step
+from megatron_stare.actor.optim import build_optimizer
+from megatron_stare.actor.schedule import share_from_last_stage
+from megatron_stare.actor.token_stats import TokenStatsKernel
+from megatron_stare.actor.types import ActorSettings, StepStats, UpdateResult, WeightLoader
+from megatron_stare.actor.update import LossContext, train_mini_batch
+from megatron_stare.algorithms.aggregation import MetricSums
+from megatron_stare.algorithms.losses import LossPlan, build_policy_loss
+from megatron_stare.algorithms.stare import StareState
+from megatron_stare.models.gpt import GPTSpec
+from megatron_stare.models.provider import build_model_stage
+from megatron_stare.parallel import ParallelGroups
+from megatron_stare.types import MicroBatch, Sample
+
+
+class MegatronActor:
+    """A policy (and optionally a reference) model stage on this rank, plus its optimizer."""
+
+    def __init__(self, spec: GPTSpec, groups: ParallelGroups, settings: ActorSettings,
+                 load_weights: WeightLoader, load_ref_weights: Optional[WeightLoader] = None,
+                 trainable: bool = True):
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+
+        self.spec, self.groups, self.s = spec, groups, settings
+        lay = groups.layout
+        stage, self.config = build_model_stage(spec, groups, dtype=settings.dtype,
+                                               recompute=settings.parallel.recompute)
+        load_weights(stage, groups)
+        self.loss_fn = build_policy_loss(settings.algorithm)
+        self.kernel = TokenStatsKernel(tp_group=groups.tp_group, valid_vocab_size=spec.vocab_size,
+                                       temperature=settings.temperature, chunk_size=settings.logprob_chunk)
+        self.ref = None
+        if load_ref_weights is not None:
+            self.ref, _ = build_model_stage(spec, groups, dtype=settings.dtype)
+            load_ref_weights(self.ref, groups)
+            self.ref.requires_grad_(False)
+        if not trainable:
+            self.model, self.optimizer, self.scheduler = stage, None, None
+            return
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=lay.distributed_optimizer),
+            module=stage,
+        )
+        self.optimizer, self.scheduler = build_optimizer(self.model, settings.optimizer, lay, settings.dtype,
+                                                         settings.total_optimizer_steps)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel stage."""
+        return getattr(self.model, "module", self.model)
+
+    def prepare(self, samples: Sequence[Sample], mini_batches: int = 1) -> List[List[MicroBatch]]:
+        """This DP rank's mini-batches of micro-batches for the step's global ``samples``."""
+        return prepare_batches(samples, self.groups, self.s, mini_batches)
+
+    def compute_logprobs(self, batches: List[List[MicroBatch]], sensitivity: bool = True) -> StepStats:
+        """Forward-only pass: fills ``old_logp``, ``entropy`` (and sensitivity sums, ``ref_logp``)
+        of every micro-batch on every rank; returns the global entropy and mismatch."""
+        return fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity)
+
+    def loss_plans(self, batches: List[List[MicroBatch]], step: int,
+                   stare_state: Optional[StareState] = None) -> List[LossPlan]:
+        """The loss plan of every mini-batch (collective); pass them to ``update`` and
+        ``entropy_diagnostics`` so both read the same global selections."""
+        return plan_step(self.loss_fn, batches, self.groups, step, stare_state)
+
+    def entropy_diagnostics(self, batches: List[List[MicroBatch]], plans: Sequence[LossPlan]
+                            ) -> Dict[str, float]:
+        """Entropy dynamics of the step from the plans' STARE selections (``diagnostics``)."""
+        return entropy_diagnostics(batches, plans, self.s.algorithm, self.groups.dp_cp_group)
+
+    def update(self, batches: List[List[MicroBatch]], step: int, stare_state: Optional[StareState] = None,
+               ppo_epochs: int = 1, collect_selection: bool = False,
+               plans: Optional[Sequence[LossPlan]] = None) -> UpdateResult:
+        """One optimizer step per mini-batch (per PPO epoch) with the registered policy loss.
+
+        ``plans``: the mini-batches' loss plans (``loss_plans``); computed here when None.
+        """
+        g, lay = self.groups, self.groups.layout
+        if plans is None:
+            plans = self.loss_plans(batches, step, stare_state)
+        ctx = LossContext(loss_fn=self.loss_fn, kernel=self.kernel,
+                          entropy_grad=self.s.algorithm.entropy_coeff > 0, tis_cap=self.s.tis_cap,
+                          cp_group=g.cp_group if lay.cp > 1 else None, stare=self.s.algorithm.stare,
+                          collect_selection=collect_selection)
+        result = UpdateResult(loss=[], grad_norm=[])
+        all_metrics = MetricSums()
+        selected: list = []
+        for _ in range(ppo_epochs):
+            for micro_batches, plan in zip(batches, plans):
+                r = train_mini_batch(self.model, self.optimizer, self.scheduler, micro_batches, plan, ctx,
+                                     g, self.s.optimizer.clip_grad)
+                result.skipped_steps += 0 if r.applied else 1
+                result.loss.append(r.loss)
+                result.grad_norm.append(r.grad_norm)
+                all_metrics.merge(r.metrics)
+                selected.extend(r.selected_keys)
+        all_metrics.all_reduce(g.dp_cp_group, device=g.device)
+        result.metrics = share_from_last_stage(all_metrics.means(), g)
+        result.metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if collect_selection:
+            result.selected_keys = gather_selected_keys(selected, g)
+        return result

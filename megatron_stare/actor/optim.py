@@ -1,0 +1,68 @@
+"""Megatron's optimizer and LR schedule for the actor, and one optimizer step with a guard.
+
+``guarded_step`` is Megatron's ``step()`` taken apart (prepare grads, grad norm, clip, step) so
+that a non-finite loss or gradient norm skips the step with the weights and the optimizer state
+untouched, instead of writing NaN into them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_stare.config import OptimizerConfig
+from megatron_stare.parallel import ParallelLayout
+
+
+def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: torch.dtype,
+                    total_steps: int):
+    """(Megatron Adam over the DDP-wrapped ``model``, its ``OptimizerParamScheduler``).
+
+    bf16 params get fp32 main params and fp32 gradient accumulation (Megatron's mixed precision).
+    """
+    from megatron.core.optimizer import OptimizerConfig as MOptConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = get_megatron_optimizer(
+        MOptConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                   clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16,
+                   params_dtype=dtype, use_distributed_optimizer=layout.distributed_optimizer),
+        [model],
+    )
+    steps = max(total_steps, o.warmup_steps + 1)
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps, lr_decay_steps=steps, lr_decay_style=o.lr_schedule,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=steps,
+        wd_incr_style="constant")
+    return opt, sched
+
+
+@dataclass
+class StepOutcome:
+    applied: bool
+    """False when the step was skipped (non-finite loss or gradient norm)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+
+
+def guarded_step(optimizer, scheduler, clip_grad: float, loss_value: float) -> StepOutcome:
+    """Megatron's step with a non-finite guard: skip (weights untouched) on NaN/inf."""
+    from megatron.core.optimizer import clip_grads
+
+    optimizer.prepare_grads()
+    gnorm = float(optimizer.get_grad_norm())
+    if not (math.isfinite(gnorm) and math.isfinite(loss_value)):
+        return StepOutcome(applied=False, grad_norm=gnorm)
+    if clip_grad > 0:
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = sub.get_parameters()
+            if params:
+                clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, gnorm)
+    optimizer.step_with_ready_grads()
+    scheduler.step(increment=1)
+    return StepOutcome(applied=True, grad_norm=gnorm)

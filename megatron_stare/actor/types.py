@@ -1,0 +1,55 @@
+"""Typed state that crosses the actor's boundary: its settings and what its passes return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config import OptimizerConfig, ParallelConfig
+from megatron_stare.parallel import ParallelGroups
+
+WeightLoader = Callable[[torch.nn.Module, ParallelGroups], None]
+
+
+@dataclass
+class ActorSettings:
+    """What the actor needs beyond the model: a view of the run config's relevant sections."""
+
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    algorithm: AlgorithmConfig
+    temperature: float = 1.0
+    """Log-probs are those of softmax(logits / temperature), the rollout's distribution."""
+    dtype: torch.dtype = torch.float32
+    total_optimizer_steps: int = 1000
+    """Length of the LR schedule (decay steps)."""
+    max_rows_per_micro_batch: Optional[int] = None
+    logprob_chunk: int = 1024
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
+
+
+@dataclass
+class StepStats:
+    """Global results of the log-prob pass (identical on every rank)."""
+
+    entropy: float
+    """Token-mean entropy of the whole training batch (all DP ranks): the controller's input."""
+    num_tokens: int
+    mismatch_mean: Optional[float] = None
+    """Mean |logp_engine - logp_train| over response tokens (when engine log-probs came)."""
+    mismatch_max: Optional[float] = None
+
+
+@dataclass
+class UpdateResult:
+    loss: List[float]
+    """Global mini-batch loss per optimizer step."""
+    grad_norm: List[float]
+    metrics: Dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
+    selected_keys: Optional[List[int]] = None
+    """Debug: global keys of STARE-selected tokens (sorted), when requested."""

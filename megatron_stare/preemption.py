@@ -1,0 +1,117 @@
+"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 75.
+
+A signal handler only records the signal. At every step boundary the ranks all-reduce (MAX) what
+they recorded (``Preemption.agreed``), so every rank takes the same decision at the same step,
+even when the signal reached only some of them, or reached them at different moments: a rank's
+own decision could split the job (one rank saving, another waiting in the next step's
+collective). The trainer then saves the step it has finished (unless it is saved already) and
+exits with ``PREEMPTED_EXIT_CODE``; rerunning the same command resumes exactly.
+
+How the signal reaches every rank (the launch scripts arrange it; see launch/common.sh):
+
+- SLURM sends ``--signal=B:USR1@<lead>`` to the batch shell only, ``<lead>`` seconds before the
+  time limit; the batch script relays it to ``srun``, which forwards it to each node's task, the
+  launch shell, which relays it to torchrun.
+- torchrun (torch 2.13, ``torch/distributed/elastic``) installs handlers only for the signals of
+  ``--signals-to-handle`` (default SIGTERM,SIGINT,SIGHUP,SIGQUIT). Any other signal takes its
+  default action: a SIGUSR1 kills torchrun (exit 138) and leaves the workers running, orphaned
+  and never told. The launch scripts therefore add SIGUSR1.
+- On a handled signal torchrun stops monitoring, sends the same signal to every worker's
+  process group (``os.killpg``; each worker is a session leader, so its children that did not
+  start their own session get it too), waits ``--shutdown-timeout`` seconds (default 30, or
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``), then SIGKILLs the workers left. It then exits 1, whatever
+  the workers returned: the launch shell maps a preempted run back to exit 75 through the
+  status file named by ``STATUS_FILE_ENV`` (written by each node's local rank 0).
+
+The grace period is the smaller of torchrun's shutdown timeout and the scheduler's warning lead;
+a step plus a save must fit in it. If it does not, the SIGKILL lands mid-step or mid-save, and
+the last complete checkpoint is what remains: saves are atomic (``checkpoint.py``).
+Children the trainer starts that must outlive a preemption signal (reward workers) ignore
+these signals; their parent ends them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
+
+if TYPE_CHECKING:  # reward workers import this module and need no torch
+    import torch
+    import torch.distributed as dist
+
+#: The signals that request a checkpoint-and-exit.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: Exit code of a run that stopped on a preemption signal after saving (sysexits' EX_TEMPFAIL:
+#: "try again later"); rerun the same command to resume.
+PREEMPTED_EXIT_CODE = 75
+#: When set, each node's local rank 0 writes its exit code to this file on a preempted exit, for
+#: the launch shell (torchrun itself exits 1 whatever its workers return).
+STATUS_FILE_ENV = "MEGATRON_STARE_STATUS_FILE"
+
+
+class Preemption:
+    """Records preemption signals; ``agreed()`` is the collective stop decision.
+
+    ``install()`` must run in the main thread (Python's signal handlers live there); ``close()``
+    restores the previous handlers. Usable as a context manager.
+    """
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        """The first preemption signal this process received (its number), or None."""
+        self._previous: Dict[int, object] = {}
+
+    @classmethod
+    def install(cls, signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS) -> "Preemption":
+        p = cls()
+        for s in signals:
+            p._previous[s] = signal.signal(s, p._record)
+        return p
+
+    def _record(self, signum: int, frame) -> None:
+        # Only a flag: a handler runs between two bytecodes of the main thread, which may be in
+        # the middle of a print or a collective; everything else happens at the step boundary.
+        if self.received is None:
+            self.received = signum
+
+    def agreed(self, group: Optional["dist.ProcessGroup"] = None,
+               device: Optional["torch.device"] = None) -> Optional[signal.Signals]:
+        """Collective over ``group``: the signal any rank received (the largest number), or None.
+
+        One ``[1]`` int64 all-reduce (MAX) per call; every rank returns the same value.
+        """
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        value = int(flag.item())
+        return signal.Signals(value) if value else None
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> "Preemption":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ignore_preemption_signals() -> None:
+    """For child processes whose parent owns their lifetime (reward workers): torchrun's
+    ``killpg`` and SLURM's step-wide signals reach them too, and their default action (exit)
+    would lose the step in flight."""
+    for s in PREEMPTION_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def write_status(code: int) -> None:
+    """Write ``code`` to ``$MEGATRON_STARE_STATUS_FILE`` from this node's local rank 0 (if set)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        with open(path, "w") as f:
+            f.write(f"{code}\n")

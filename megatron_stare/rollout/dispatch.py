@@ -1,0 +1,92 @@
+"""Send requests to several rollout servers, each to the one with the least outstanding work.
+
+``Dispatcher.run(costs, call)`` runs one request per entry of ``costs`` through at most
+``window`` requests in flight. A request is placed when a slot frees up (not all at once), on
+the backend whose outstanding work - the summed ``costs`` of its requests in flight, in tokens
+(prompt tokens + ``n * max_new_tokens``) - is smallest; ties go to fewer requests in flight,
+then to the lower index. A slow server therefore keeps its requests longer, holds more
+outstanding work, and is given fewer new ones: the servers finish together. ``round_robin``
+(request ``j`` to backend ``j % B``) is kept as the baseline the tests show failing that.
+
+Placement is the only thing that varies between runs: a request's result depends on its
+prompt and its per-prompt seed alone (``rollout/data_parallel.py``), and ``run`` returns the
+results in request order, whatever answered them.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, List, Literal, Sequence, TypeVar
+
+__all__ = ["POLICIES", "DispatchStats", "Dispatcher"]
+
+T = TypeVar("T")
+POLICIES = ("least_work", "round_robin")
+
+
+@dataclass
+class DispatchStats:
+    """What one ``run`` sent where: ``backend[j]`` answered request ``j``; per backend, how many
+    requests and how much work (cost units) it was given."""
+
+    backend: List[int] = field(default_factory=list)
+    requests: List[int] = field(default_factory=list)
+    work: List[int] = field(default_factory=list)
+
+    def share(self, b: int) -> float:
+        """Fraction of the requests backend ``b`` answered."""
+        return self.requests[b] / max(sum(self.requests), 1)
+
+
+class Dispatcher:
+    """Runs requests over ``num_backends`` backends (see the module docstring).
+
+    Args:
+        num_backends: servers behind the dispatcher.
+        window: requests in flight at once, over all backends (the placement decision is made
+            as each slot frees up; a window as large as the batch places everything at once).
+        policy: ``least_work`` or ``round_robin``.
+    """
+
+    def __init__(self, num_backends: int, window: int,
+                 policy: Literal["least_work", "round_robin"] = "least_work"):
+        if num_backends < 1 or window < 1:
+            raise ValueError(f"dispatcher needs >= 1 backend and window >= 1, got {num_backends}, {window}")
+        if policy not in POLICIES:
+            raise ValueError(f"dispatch policy must be one of {POLICIES}, got {policy!r}")
+        self.num_backends, self.window, self.policy = num_backends, window, policy
+        self.last = DispatchStats()
+
+    def run(self, costs: Sequence[int], call: Callable[[int, int], T]) -> List[T]:
+        """``[call(backend, j) for j in range(len(costs))]``, run concurrently and placed by the
+        policy; results in request order. The first failing call's error is raised."""
+        B = self.num_backends
+        lock = threading.Lock()
+        outstanding, in_flight = [0] * B, [0] * B
+        stats = DispatchStats(backend=[-1] * len(costs), requests=[0] * B, work=[0] * B)
+
+        def place(j: int) -> int:
+            if self.policy == "round_robin":
+                return j % B
+            return min(range(B), key=lambda b: (outstanding[b], in_flight[b], b))
+
+        def one(j: int) -> T:
+            with lock:
+                b = place(j)
+                outstanding[b] += costs[j]
+                in_flight[b] += 1
+                stats.backend[j], stats.requests[b], stats.work[b] = b, stats.requests[b] + 1, stats.work[b] + costs[j]
+            try:
+                return call(b, j)
+            finally:
+                with lock:
+                    outstanding[b] -= costs[j]
+                    in_flight[b] -= 1
+
+        # The pool's threads take requests in order, one per free slot: placement happens then.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(costs), self.window))) as pool:
+            out = list(pool.map(one, range(len(costs))))
+        self.last = stats
+        return out

@@ -1,0 +1,62 @@
+"""Print the command that starts a rollout server for a run: ``python -m
+megatron_stare.rollout.server_cmd --config X.yaml [--port P] [a.b=c ...]``.
+
+A launch script starts the server with it (on GPUs of its own), then the trainer with
+``rollout.server_urls=[http://host:P]``: the server then honours the run's spec (TP size,
+dtype, context length, seed, the log-prob convention), which the trainer checks when it
+attaches. For ``rollout.engine`` = ``vllm-server`` or ``sglang-server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import urllib.parse
+from typing import Optional, Sequence
+
+from megatron_stare.config import ConfigError, load_config
+from megatron_stare.rollout.spec import EngineDevices, EngineSpec, EngineWorld
+
+
+def command_for(cfg, host: str, port: Optional[int]) -> str:
+    """The server command of ``cfg``'s server engine, as one shell line."""
+    from megatron_stare.rollout import sglang_server, vllm_server
+
+    r = cfg.rollout
+    builders = {"vllm-server": (vllm_server.server_command, 8000),
+                "sglang-server": (sglang_server.server_command, 30000)}
+    if r.engine not in builders:
+        raise ConfigError(f"rollout.engine={r.engine} starts no server; server_cmd is for "
+                          f"{' and '.join(builders)}")
+    build, default_port = builders[r.engine]
+    if port is None and r.server_urls:
+        port = urllib.parse.urlsplit(r.server_urls[0]).port
+    # The server runs on GPUs of its own: an attached server's placement (no trainer GPUs).
+    world = EngineWorld(cuda=True)
+    spec = EngineSpec.from_config(cfg, world)
+    attached = dataclasses.replace(
+        spec, server_urls=spec.server_urls or (f"http://{host}:{port or default_port}",),
+        devices=EngineDevices(hosts_engine=True, generates=True, engine_ranks=(), gpu_ids=()))
+    return build(attached, host, port or default_port).shell()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.rollout.server_cmd",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="YAML config of the run")
+    ap.add_argument("--host", default="0.0.0.0", help="address the server listens on")
+    ap.add_argument("--port", type=int, default=None,
+                    help="port (default: that of rollout.server_urls[0], else the engine's default)")
+    ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
+    args = ap.parse_args(argv)
+    try:
+        print(command_for(load_config(args.config, args.overrides), args.host, args.port))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

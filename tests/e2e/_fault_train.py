@@ -1,0 +1,105 @@
+"""Test-only launcher: ``python -m megatron_stare.train`` with one fault injected on one rank.
+
+    torchrun ... tests/e2e/_fault_train.py --fault KIND@STEP[:RANK] --config X.yaml [a.b=c ...]
+
+STEP is the 1-based step (as in metrics.jsonl) during which the fault strikes; RANK the global
+rank it strikes (default: every rank). Kinds:
+
+- ``kill``: the rank dies like a SIGKILL (a real one) as the step starts;
+- ``kill-in-generate``: the rank's rollout engine takes the rank down mid-rollout (a colocated
+  engine's death is its rank's death; the ``hf`` engine lives on rank 0 only);
+- ``kill-in-save``: the rank dies inside the step's checkpoint save, at its first file move
+  into the ``.partial`` directory (the save was under way and is not finished);
+- ``sigterm`` / ``sigusr1``: the rank sends itself the signal mid-step (after the rollout, as
+  the update starts); the step goes on, and the run must stop at the step boundary.
+
+``--linger RANK:SECONDS`` makes that rank wait before its process exits, after ``train.main``
+returned: a slow shutdown (an engine's teardown), so that the other ranks exit first and
+torchrun SIGTERMs this one while it is still alive.
+
+The production trainer knows nothing of this: the fault is a ``Trainer`` subclass, swapped in
+before ``train.main`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from typing import Optional, Tuple
+from unittest import mock
+
+from megatron_stare import train
+
+KINDS = ("kill", "kill-in-generate", "kill-in-save", "sigterm", "sigusr1")
+
+
+def _die(*_args, **_kwargs):
+    # The time lets a test measure how long the other ranks take to go (nobody may hang).
+    print(f"[fault] rank {os.environ.get('RANK')} dies at {time.time():.3f}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_fault(spec: str) -> Tuple[str, int, Optional[int]]:
+    kind, _, where = spec.partition("@")
+    step, _, rank = where.partition(":")
+    if kind not in KINDS or not step.isdigit():
+        raise SystemExit(f"--fault: expected KIND@STEP[:RANK] with KIND in {KINDS}, got {spec!r}")
+    return kind, int(step), int(rank) if rank else None
+
+
+class FaultyTrainer(train.Trainer):
+    fault: Tuple[str, int, Optional[int]] = ("kill", -1, None)
+
+    def step(self, step: int) -> dict:
+        kind, at, rank = self.fault
+        if step + 1 != at or rank not in (None, self.rank):
+            return super().step(step)
+        with ExitStack() as stack:
+            if kind == "kill":
+                _die()
+            elif kind == "kill-in-generate":
+                if self.engine is None:
+                    raise SystemExit(f"--fault {kind}: rank {self.rank} has no rollout engine")
+                stack.enter_context(mock.patch.object(self.engine, "generate", _die))
+            elif kind == "kill-in-save":
+                real = os.replace
+
+                def replace(src, dst, *args, **kwargs):
+                    if ".partial" in str(src):
+                        _die()
+                    return real(src, dst, *args, **kwargs)
+
+                stack.enter_context(mock.patch("os.replace", replace))
+            else:
+                sig = signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1
+                update = self.actor.update
+
+                def signalled_update(*args, **kwargs):
+                    os.kill(os.getpid(), sig)
+                    return update(*args, **kwargs)
+
+                stack.enter_context(mock.patch.object(self.actor, "update", signalled_update))
+            return super().step(step)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--fault", required=True)
+    ap.add_argument("--linger", default=None, help="RANK:SECONDS")
+    args, rest = ap.parse_known_args(argv)
+    FaultyTrainer.fault = parse_fault(args.fault)
+    train.Trainer = FaultyTrainer
+    code = train.main(rest)
+    if args.linger:
+        rank, seconds = args.linger.split(":")
+        if os.environ.get("RANK") == rank:
+            time.sleep(float(seconds))  # a signal handler that returns does not cut it short (PEP 475)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -128,8 +128,8 @@ def test_grids_equal_size_and_runs_keyed_by_their_settings(monkeypatch):
     tuned = {run_key(x) for x in tuning_specs(s, "methods")}
     assert all(run_key(x) in tuned for x in specs if x.seed == 0)
     assert run_key(RunSpec(0, "grpo", ("a=1",))) != run_key(RunSpec(0, "grpo", ("a=2",)))
-    monkeypatch.setitem(sm.GRIDS, "gepo", sm.GRIDS["gepo"][:3])  # a smaller grid is refused
-    with pytest.raises(ValueError, match="'gepo'.*4 points"):
+    monkeypatch.setitem(sm.GRIDS, "gepo", sm.GRIDS["gepo"][:sm.GRID_SIZE - 1])  # a smaller grid is refused
+    with pytest.raises(ValueError, match=f"'gepo'.*{sm.GRID_SIZE} points"):
         sm.check_grids()
 
 

@@ -87,7 +87,7 @@ GRIDS: Dict[str, Tuple[Overrides, ...]] = {
 GRID_SIZE = 2
 
 #: The winners of step 2 (docs/study.md, "Tuning"): index into GRIDS[method].
-CHOSEN: Dict[str, int] = {"grpo": 0, "dapo": 0, "entropy_bonus": 0, "clip_cov": 1, "kl_cov": 0, "gepo": 0,
+CHOSEN: Dict[str, int] = {"grpo": 0, "dapo": 0, "entropy_bonus": 0, "clip_cov": 1, "kl_cov": 1, "gepo": 1,
                           "stare_o1": 0, "stare_c2": 0}
 
 

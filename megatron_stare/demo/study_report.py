@@ -218,7 +218,7 @@ def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
         r["diverged"] = r["train_acc"] < start["accuracy"]
         r["stopped"] = json.loads((Path(d) / "done.json").read_text()).get("stopped")
         group = "shared (GRPO)" if spec.label.startswith("shared") else spec.method
-        by_method.setdefault(group, []).append((spec.label, spec.overrides, r))
+        by_method.setdefault(group, []).append((spec.label, spec.overrides, r, spec.method))
     lines = [f"# Tuning on seed 0 (H0 {start['H0']:.3f}, target {s.target_ratio * start['H0']:.3f}, warm-start accuracy "
              f"{start['accuracy']:.2f})\n", "Selection score: mean of held-out pass@1 and pass@8 over the last "
              "quarter's evaluations; a run whose final training accuracy is below the warm start's counts as "
@@ -228,8 +228,8 @@ def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
         best = max(ok, key=lambda it: it[2]["score"])[0]
         lines += [f"\n## {group}\n", "| point | knobs | H final / target | in band | train acc | pass@1 | pass@8 | score |",
                   "|---|---|---|---|---|---|---|---|"]
-        for label, ov, r in items:
-            skip = set(sm.BY_NAME[_method_of(label)].base) | (set() if label.startswith("shared") else set(sm.SHARED))
+        for label, ov, r, method in items:
+            skip = set(sm.BY_NAME[method].base) | (set() if label.startswith("shared") else set(sm.SHARED))
             knobs = " ".join(_short(o) for o in ov if o not in skip)
             mark = " **chosen**" if label == best else (" (diverged)" if r["diverged"] else "")
             mark += f" (stopped: {r['stopped']})" if r["stopped"] else ""
@@ -239,17 +239,10 @@ def write_tuning(s, start: dict, runs: Mapping, stage: str) -> dict:
     Path(s.out).mkdir(parents=True, exist_ok=True)
     (Path(s.out) / f"tuning_{stage}.md").write_text(md)
     print(md, flush=True)
-    return {"groups": {g: [(lab, list(ov), r) for lab, ov, r in it] for g, it in by_method.items()}}
+    return {"groups": {g: [(lab, list(ov), r) for lab, ov, r, _ in it] for g, it in by_method.items()}}
 
 
 def _short(override: str) -> str:
     """``algorithm.stare.w_max=10`` -> ``w_max=10``."""
     key, _, value = override.partition("=")
     return f"{key.rsplit('.', 1)[-1]}={value}"
-
-
-def _method_of(label: str) -> str:
-    """``shared3`` -> ``grpo``, ``stare_o12`` -> ``stare_o1`` (a tuning point's method)."""
-    if label.startswith("shared"):
-        return "grpo"
-    return label.rstrip("0123456789")

@@ -146,3 +146,31 @@ def test_a_run_that_ran_dry_is_a_result_and_other_failures_are_not(tmp_path):
     (tmp_path / "train.log").write_text("[rank0]: RuntimeError: step 3: no informative prompt groups after 1 x\n")
     (tmp_path / "metrics.jsonl").unlink()
     assert ran_dry(tmp_path) is None  # no steps ran: nothing to report, a failure
+
+
+def test_tuning_table_marks_each_methods_best_eligible_point(tmp_path):
+    """``write_tuning`` groups points by their method (names ending in a digit included: a STARE O1
+    point is labelled ``stare_o10``), marks the best non-diverged score, and lists the own knobs."""
+    import json
+
+    from megatron_stare.demo.study_report import write_tuning
+
+    def run(name, p1, p8, acc):
+        d = tmp_path / name
+        d.mkdir()
+        rows = _rows([0.5] * 8, acc=[acc] * 8, evals={8: (p1, p8)})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "done.json").write_text(json.dumps({"stopped": None}))
+        return str(d)
+
+    s = StudySettings(out=str(tmp_path / "out"))
+    start = {"H0": 1.0, "accuracy": 0.3}
+    specs = [RunSpec(0, "stare_o1", tuple(sm.method_overrides("stare_o1", k)), label=f"stare_o1{i}")
+             for i, k in enumerate(sm.GRIDS["stare_o1"])]
+    # The higher score has diverged (final train accuracy below the start's): the other is chosen.
+    runs = {specs[0]: run("a", 0.80, 0.90, 0.6), specs[1]: run("b", 0.95, 0.99, 0.2)}
+    write_tuning(s, start, runs, "methods")
+    md = (tmp_path / "out" / "tuning_methods.md").read_text()
+    assert "## stare_o1" in md
+    assert "| stare_o10 **chosen** | top_p=0.2 adaptive=true w=1 m=1 alpha=0.1 w_max=10 |" in md
+    assert "| stare_o11 (diverged) |" in md and "policy_loss" not in md

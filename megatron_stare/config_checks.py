@@ -166,10 +166,30 @@ def _check_schedule(cfg: Config) -> None:
         _require(cfg.rollout.n >= 2, f"rollout.n must be >= 2 for group advantages "
                                      f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
+    _check_staleness(cfg)
     for name in ("save_every", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
                  f"set checkpoint.dir or checkpoint.{name}=0")
+
+
+def _check_staleness(cfg: Config) -> None:
+    """Asynchronous training (``rollout/async_loop.py``) needs an engine that generates in its own
+    process while the trainer trains, and one generation batch per step."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.staleness == 0:
+        return
+    _require(ENGINE_TRAITS[r.engine].server,
+             f"trainer.staleness={t.staleness} needs a server engine that generates while the trainer "
+             f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server or trainer.staleness=0")
+    _require(r.engine == "vllm-server", f"trainer.staleness={t.staleness} is implemented for "
+                                        f"rollout.engine=vllm-server only; use it or trainer.staleness=0")
+    _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
+                                     f"a step's extra generation batches cannot be drawn ahead; set one of "
+                                     f"trainer.dynamic_sampling=false or trainer.staleness=0")
+    _require(cfg.checkpoint.dir is None, f"trainer.staleness={t.staleness} with checkpoint.dir set: saving and "
+                                         f"restoring the batches in flight is not implemented yet; set "
+                                         f"checkpoint.dir=null or trainer.staleness=0")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,

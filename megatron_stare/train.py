@@ -75,7 +75,9 @@ class Trainer:
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
-                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap)
+                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap,
+                                 ratio_band=((cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high)
+                                             if cfg.trainer.staleness > 0 else None))
         ref_dir = m.ref_path or hf_dir
         load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)
@@ -97,6 +99,7 @@ class Trainer:
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
+        self.t_start, self.version, self.pipeline = time.perf_counter(), 0, None
         self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
@@ -105,40 +108,76 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
+        from megatron_stare.rollout.async_loop import RolloutPipeline
+
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
+        self.version = self.start_step  # policy version: steps trained into the engine's weights
+        k = self.cfg.trainer.staleness
+        # Staleness 0: the whole rollout (phases 1-3, with their collectives) runs inline on this
+        # thread. Above 0: only the engine's generate runs ahead, in the pipeline's worker thread.
+        self.pipeline = (RolloutPipeline(0, lambda step: step, self.rollout) if k == 0 else
+                         RolloutPipeline(k, self._draw, lambda d: self.generate(d[1], d[2])))
         stopped = None
-        for step in range(self.start_step, self.cfg.trainer.total_steps):
-            if self.preempted(step):
-                stopped = step
-                break
-            self.step(step)
+        try:
+            for step in range(self.start_step, self.cfg.trainer.total_steps):
+                if self.preempted(step):
+                    stopped = step
+                    break
+                self.pipelined_step(step)
+        finally:
+            self.pipeline.close()
         self.close()
         return stopped
 
     def step(self, step: int) -> dict:
-        """One step, phase by phase (see the module docstring)."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        """One synchronous step, phase by phase (see the module docstring)."""
+        t0 = time.perf_counter()
         self.phases_run = []
-        samples, rollout = self.rollout(step)                     # 1-3 generate, gather, score
+        return self.finish_step(step, *self.rollout(step), t0=t0)  # 1-3 generate, gather, score
+
+    def pipelined_step(self, step: int) -> dict:
+        """One step of ``fit`` through the rollout pipeline (``rollout/async_loop.py``): with
+        ``trainer.staleness`` 0 exactly ``step``; above 0 the batch comes from the pipeline, the
+        next batches generate while this one trains, and the engine stays awake."""
+        t0 = time.perf_counter()
+        self.phases_run = []
+        job = self.pipeline.take(step, self.version)
+        if self.pipeline.staleness == 0:
+            return self.finish_step(step, *job.results, t0=t0)
+        samples, rollout = self._select(job)
+        self.pipeline.launch_ahead(step, self.version)
+        return self.finish_step(step, samples, rollout, t0=t0, job=job)
+
+    def finish_step(self, step: int, samples, rollout, t0: float, job=None) -> dict:
+        """Phases 4-8 and the step's metrics; ``job``: the pipeline's batch (asynchronous)."""
+        cfg, eng = self.cfg, None if job is not None else self.engine  # a pipelined engine stays awake
         with self.phase(RELEASE):
-            if self.engine is not None:
-                self.engine.release_memory()                      # 4
+            if eng is not None:
+                eng.release_memory()                              # 4
+        train_start = time.perf_counter()
         with self.phase(TRAIN):
             result, stats, state, dynamics = self.train(samples, step)  # 5
+        train_end = time.perf_counter()
         with self.phase(RESUME_WEIGHTS):
-            if self.engine is not None:
-                self.engine.resume_weights()                      # 6
+            if eng is not None:
+                eng.resume_weights()                              # 6
+        if job is not None:
+            with self.timer("wait_generate"):
+                self.pipeline.drain()  # no request sees two weight versions
         with self.phase(SYNC):
             self.sync_weights()                                   # 7
+        self.version = step + 1
         with self.phase(RESUME_KV):
-            if self.engine is not None:
-                self.engine.resume_kv_cache()                     # 8
+            if eng is not None:
+                eng.resume_kv_cache()                             # 8
         metrics = {**rollout.metrics(), **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
                    "stare/entropy": stats.entropy,
                    # The gate only acts in the STARE loss; other losses log it as off.
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
+        if job is not None:
+            metrics.update(self._async_metrics(step, job, train_start, train_end))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
@@ -188,6 +227,43 @@ class Trainer:
             raise RuntimeError(f"step {step}: no informative prompt groups after "
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
         return samples, stats
+
+    def _draw(self, step: int):
+        """An asynchronous step's one generation batch, drawn on the main thread in step order:
+        ``(prompt indices, prompts, params)``, seeded as ``rollout``'s first batch of ``step``."""
+        from megatron_stare.generation import sampling_params
+
+        idx = self.sampler.next_batch()
+        seed = (self.cfg.trainer.seed * 100_003 + step) * 1009
+        return idx, self.train_set.batch(idx), sampling_params(self.engine_spec.sampling, seed=seed)
+
+    def _select(self, job):
+        """Phases 2-3 of a pipelined batch on the main thread (their collectives stay here); each
+        sample records the policy version it was generated under."""
+        from megatron_stare.generation import GroupSelector, ScoredBatch
+
+        _, prompts, params = job.draw
+        with self.phase(GATHER):
+            results = self.gather(job.results, len(prompts), params.n)
+        with self.phase(SCORE):
+            shared = self.score(prompts, results)
+        selector = GroupSelector(self.cfg)
+        selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts, shared.crashes))
+        samples, stats = selector.finish()
+        for s in samples:
+            s.metadata["policy_version"] = job.version
+        return samples, stats
+
+    def _async_metrics(self, step: int, job, train_start: float, train_end: float) -> dict:
+        """Staleness of the step's batch, and the timelines (seconds since the run's start) of its
+        training and of the generation that ran ahead during it."""
+        ahead = [j.span for j in self.pipeline.pending.values() if j.version == step and j.span is not None]
+        out = {"async/staleness": step - job.version, "async/in_flight": len(self.pipeline.pending),
+               "timeline/train_start": train_start - self.t_start, "timeline/train_end": train_end - self.t_start}
+        if ahead:
+            out.update({"timeline/generate_start": min(s.start for s in ahead) - self.t_start,
+                        "timeline/generate_end": max(s.end for s in ahead) - self.t_start})
+        return out
 
     def generate(self, prompts, params):
         """Phase 1: each engine replica generates its own slice of the prompts, seeded by their

@@ -99,6 +99,7 @@ class MegatronActor:
             plans = self.loss_plans(batches, step, stare_state)
         ctx = LossContext(loss_fn=self.loss_fn, kernel=self.kernel,
                           entropy_grad=self.s.algorithm.entropy_coeff > 0, tis_cap=self.s.tis_cap,
+                          ratio_band=self.s.ratio_band,
                           cp_group=g.cp_group if lay.cp > 1 else None, stare=self.s.algorithm.stare,
                           collect_selection=collect_selection)
         result = UpdateResult(loss=[], grad_norm=[])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,8 @@ class ActorSettings:
     logprob_chunk: int = 1024
     tis_cap: Optional[float] = None
     """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
+    ratio_band: Optional[Tuple[float, float]] = None
+    """Off-policy ratio band (asynchronous training): tokens outside it leave the loss."""
 
 
 @dataclass

@@ -1,0 +1,196 @@
+"""Bounded-staleness asynchronous training: generation for the next steps overlaps training.
+
+Design
+======
+
+Schedule (``trainer.staleness = k``). Policy version ``v`` is the number of steps trained into
+the weights the engine serves: version 0 is the initial policy, and the sync after step ``t``
+pushes version ``t + 1``. With ``k = 0`` a step generates, then trains (today's on-policy step,
+``Trainer.step``): every sample is version ``t`` when step ``t`` trains on it. With ``k >= 1``
+``RolloutPipeline`` keeps the batches of steps ``t + 1 .. t + k`` in flight while step ``t``
+trains::
+
+    main thread    | take(t) | launch(t+1..t+k) | train t .............. | drain | sync v=t+1 |
+    worker thread                     | generate t+1 (HTTP, version t) |
+
+- Only the engine's ``generate`` (HTTP requests to the vllm-server process, which computes on
+  its own devices) runs in the worker thread. Everything with a collective - gather, score,
+  the log-prob pass, the update, the weight push - stays on the main thread, so no two threads
+  ever share a process group. The prompts of a batch are drawn on the main thread when the batch
+  is launched (in step order), and its seed depends on its step alone: the same batch whatever
+  the timing.
+- Weights are pushed at step boundaries only. Before the push the main thread *drains* the
+  pipeline (waits for every launched generation), so a request never sees two weight versions
+  and a batch launched under version ``v`` is exactly version ``v``. A batch for step ``s`` is
+  launched at the latest at step ``s - k`` (under version ``s - k``), so it is never more than
+  ``k`` versions old; ``take`` checks this and each sample records its version in
+  ``Sample.metadata["policy_version"]``; the step logs ``async/staleness_{mean,max}``.
+- The engine stays awake (a server on devices of its own has nothing to release): in
+  asynchronous mode the trainer skips the release / resume phases and only pushes weights.
+- Timelines: the pipeline records each generation's ``Span`` (start, end: ``time.perf_counter``)
+  and the trainer each training phase's; the step logs ``timeline/*`` so a test (and a user) can
+  see that they intersect.
+
+Interruption points and partial rollouts (next). The unit of interruption is the step boundary,
+counted in steps, never in wall-clock time: a run with the same seed draws the same prompts,
+sends the same seeded requests under the same weight versions and gets the same tokens,
+however long each phase takes. Partial rollouts refine the unit to a token budget: a batch is
+generated in segments of ``segment_tokens`` new tokens; at a step boundary the unfinished
+responses stop at their segment edge, keep their tokens, behaviour log-probs and per-token
+versions, and continue under the new weights from ``prompt + prefix`` with a seed derived from
+(step, prompt, sample, segment). The prefix's KV cache is *recomputed* under the new weights (the
+server resets its prefix cache after every push; the continuation is a new request): the safe
+default - keeping a KV cache computed by the old weights would mix versions inside one token's
+context.
+
+Off-policy correction: the engine's log-probs are the behaviour log-probs of each token (the
+version that produced it). TIS (``algorithm.tis_cap``) and the ratio band
+(``trainer.ratio_mask_{low,high}``, default ``[0.5, 2]``: ``actor/tis.py``) use them; the
+mismatch metrics (``mismatch/*``) then measure staleness plus engine/trainer numerics. STARE's
+controller keeps reading the trainer's entropy of the log-prob pass.
+
+Resume: a checkpoint is written at a step boundary after the drain, so every batch in flight is
+*finished* there: the checkpoint stores them (``RolloutPipeline.state_dict``: prompt indices,
+seed, tokens, behaviour log-probs, version) together with the sampler state after their draws,
+and a resumed run restores them rather than regenerating: regenerating would need the older
+weights they were sampled under, which the checkpoint does not hold. With partial rollouts the
+same holds for the finished segments, and the continuation of an unfinished response is
+regenerated deterministically (its seed is fixed, its weights are the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["Launched", "RolloutPipeline", "Span", "overlaps"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed piece of work of ``step``: ``kind`` ("generate", "train") from ``start`` to
+    ``end`` (``time.perf_counter`` seconds)."""
+
+    step: int
+    kind: str
+    start: float
+    end: float
+
+
+def overlaps(a: Span, b: Span) -> bool:
+    """Whether two spans intersect in time."""
+    return a.start < b.end and b.start < a.end
+
+
+@dataclass
+class Launched:
+    """One generation batch in flight (or done): ``draw`` is what ``launch`` drew for it on the
+    main thread (prompts, sampling params: opaque here), ``version`` the policy version of the
+    weights it is generated under, ``results`` the engine's output once done."""
+
+    step: int
+    version: int
+    draw: Any
+    results: Any = None
+    error: Optional[BaseException] = None
+    span: Optional[Span] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class RolloutPipeline:
+    """Keeps up to ``staleness`` generation batches ahead of the step being trained.
+
+    ``draw(step)``: on the main thread, the batch's prompts and sampling params (advances the
+    prompt sampler: called in step order). ``generate(draw)``: the engine call, run in the
+    worker thread when ahead (must not call collectives). With ``staleness == 0`` nothing runs
+    ahead: ``take`` draws and generates inline.
+    """
+
+    def __init__(self, staleness: int, draw: Callable[[int], Any], generate: Callable[[Any], Any]):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self._draw, self._generate = draw, generate
+        self.pending: Dict[int, Launched] = {}
+        self._queue: List[Launched] = []
+        self._cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ main thread
+    def take(self, step: int, version: int) -> Launched:
+        """Step ``step``'s batch, finished (launched and generated now under ``version`` when it
+        was not ahead). Raises if it is older than ``staleness`` versions."""
+        job = self.pending.pop(step, None)
+        if job is None:
+            job = Launched(step, version, self._draw(step))
+            self._run(job)
+        else:
+            self._wait(job)
+        if job.error is not None:
+            raise job.error
+        if version - job.version > self.staleness:
+            raise RuntimeError(f"step {step}: its batch is policy version {job.version}, {version - job.version} "
+                               f"versions old, beyond trainer.staleness={self.staleness}")
+        return job
+
+    def launch_ahead(self, step: int, version: int) -> None:
+        """Launch, under ``version``, the batches of steps ``step + 1 .. step + staleness`` not
+        launched yet (``step`` is the step about to train)."""
+        for s in range(step + 1, step + self.staleness + 1):
+            if s not in self.pending:
+                job = Launched(s, version, self._draw(s))
+                self.pending[s] = job
+                self._submit(job)
+
+    def drain(self) -> None:
+        """Wait for every launched generation (before a weight push or a checkpoint)."""
+        for job in list(self.pending.values()):
+            self._wait(job)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self, job: Launched) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.results = self._generate(job.draw)
+        except BaseException as e:  # handed to the main thread by take()
+            job.error = e
+        job.span = Span(job.step, "generate", t0, time.perf_counter())
+        job.done.set()
+
+    def _submit(self, job: Launched) -> None:
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="stare-rollout", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        # One worker, jobs in launch order: the engine sees the same requests in the same order.
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.pop(0)
+            self._run(job)
+
+    @staticmethod
+    def _wait(job: Launched) -> None:
+        job.done.wait()
+
+    # ------------------------------------------------------------------ checkpoints
+    def versions(self) -> Sequence[int]:
+        """Versions of the batches in flight, in step order."""
+        return [self.pending[s].version for s in sorted(self.pending)]

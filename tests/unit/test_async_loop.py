@@ -1,0 +1,128 @@
+"""Bounded-staleness asynchronous training, the parts that need no engine:
+
+- the rollout pipeline (``rollout/async_loop.py``) keeps ``staleness`` batches ahead, in a real
+  worker thread: batches are drawn in step order on the caller's thread, generated under the
+  version current at launch, never more than ``staleness`` versions old when taken, and
+  generation ahead overlaps the caller's work (its span intersects);
+- staleness 0 runs nothing ahead (the synchronous step);
+- the off-policy ratio band masks exactly the tokens whose ratio lies outside it, and composes
+  with TIS;
+- (the config's staleness checks are in ``test_config.py``).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_stare.actor.tis import ratio_band_mask, tis_weight
+from megatron_stare.rollout.async_loop import RolloutPipeline, Span, overlaps
+
+
+class _Recorder:
+    """A draw / generate pair that records the thread and order of each call."""
+
+    def __init__(self, gen_s: float = 0.0):
+        self.draws, self.gens, self.gen_s = [], [], gen_s
+        self.main = threading.get_ident()
+
+    def draw(self, step):
+        assert threading.get_ident() == self.main, "draws must happen on the caller's thread"
+        self.draws.append(step)
+        return step
+
+    def generate(self, step):
+        self.gens.append((step, threading.get_ident() == self.main))
+        time.sleep(self.gen_s)
+        return f"batch{step}"
+
+
+def _run(k: int, steps: int, rec: _Recorder, train_s: float = 0.0):
+    """The trainer's schedule: take, launch ahead, train, drain, push (version + 1)."""
+    pipe = RolloutPipeline(k, rec.draw, rec.generate)
+    version, taken, trains = 0, [], []
+    try:
+        for step in range(steps):
+            job = pipe.take(step, version)
+            taken.append((step, job.version, job.results))
+            pipe.launch_ahead(step, version)
+            t0 = time.perf_counter()
+            time.sleep(train_s)
+            trains.append((Span(step, "train", t0, time.perf_counter()),
+                           [j.span for j in list(pipe.pending.values())]))
+            pipe.drain()
+            trains[-1] = (trains[-1][0], [j.span for j in pipe.pending.values() if j.version == step])
+            version = step + 1
+    finally:
+        pipe.close()
+    return taken, trains
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_pipeline_runs_k_ahead_and_bounds_staleness(k):
+    rec = _Recorder(gen_s=0.05)
+    taken, trains = _run(k, 5, rec, train_s=0.1)
+    assert [t[0] for t in taken] == list(range(5)) and [t[2] for t in taken] == [f"batch{s}" for s in range(5)]
+    assert rec.draws == list(range(5 + k))  # drawn once each, in step order, k beyond the last step
+    # Step 0 is generated inline; every later batch in the worker thread, under the version of the
+    # step that launched it: max(s - k, 0), so at most k versions old (and exactly k in steady state).
+    assert rec.gens[0] == (0, True) and all(not inline for _, inline in rec.gens[1:])
+    assert [v for _, v, _ in taken] == [max(s - k, 0) for s in range(5)]
+    # Generation ahead overlaps training: each step's training intersects a generation span.
+    for train, ahead in trains:
+        assert ahead and any(overlaps(train, g) for g in ahead)
+
+
+def test_staleness_zero_runs_nothing_ahead():
+    rec = _Recorder()
+    taken, trains = _run(0, 3, rec)
+    assert rec.gens == [(0, True), (1, True), (2, True)] and [v for _, v, _ in taken] == [0, 1, 2]
+    assert all(ahead == [] for _, ahead in trains)
+
+
+def test_too_stale_batch_and_worker_errors_raise_on_take():
+    rec = _Recorder()
+    pipe = RolloutPipeline(1, rec.draw, rec.generate)
+    try:
+        pipe.take(0, 0)
+        pipe.launch_ahead(0, 0)
+        # The trainer skipped a push: step 1's batch would be 2 versions old, beyond k = 1.
+        with pytest.raises(RuntimeError, match="2 versions old, beyond trainer.staleness=1"):
+            pipe.take(1, 2)
+    finally:
+        pipe.close()
+
+    def boom(step):
+        raise ValueError("engine died")
+
+    pipe = RolloutPipeline(1, rec.draw, boom)
+    try:
+        pipe.launch_ahead(0, 0)
+        with pytest.raises(ValueError, match="engine died"):
+            pipe.take(1, 0)
+    finally:
+        pipe.close()
+
+
+class _MB:
+    def __init__(self, old, eng):
+        self.old_logp, self.engine_logp = old, eng
+
+
+def test_ratio_band_masks_tokens_outside_the_band():
+    eng = torch.zeros(1, 6)
+    ratios = torch.tensor([[0.3, 0.5, 0.9, 1.0, 2.0, 2.5]])
+    old = torch.log(ratios)
+    keep = ratio_band_mask(old, eng, (0.5, 2.0))
+    # Edges are inside (up to the float log): 0.5 and 2 kept, 0.3 and 2.5 masked.
+    assert keep.tolist() == [[False, True, True, True, True, False]]
+    assert ratio_band_mask(old, eng, (0.5, float("inf"))).tolist() == [[False] + [True] * 5]
+    mb = _MB(old, eng)
+    assert tis_weight(mb, None, None) is None
+    torch.testing.assert_close(tis_weight(mb, None, (0.5, 2.0)), keep.float())
+    # With TIS: min(r, cap) on kept tokens, 0 on masked ones.
+    torch.testing.assert_close(tis_weight(mb, 1.5, (0.5, 2.0)),
+                               torch.tensor([[0.0, 0.5, 0.9, 1.0, 1.5, 0.0]]))
+    torch.testing.assert_close(tis_weight(mb, 1.5), ratios.clamp(max=1.5))
+    assert tis_weight(_MB(old, None), 1.5, (0.5, 2.0)) is None  # no behaviour log-probs

@@ -145,7 +145,7 @@ class Trainer:
         if self.pipeline.staleness == 0:
             return self.finish_step(step, *job.results, t0=t0)
         samples, rollout = self._select(job)
-        self.pipeline.launch_ahead(step, self.version)
+        self.pipeline.launch_ahead(step, self.version, end=self.cfg.trainer.total_steps)
         return self.finish_step(step, samples, rollout, t0=t0, job=job)
 
     def finish_step(self, step: int, samples, rollout, t0: float, job=None) -> dict:

@@ -136,10 +136,11 @@ class RolloutPipeline:
                                f"versions old, beyond trainer.staleness={self.staleness}")
         return job
 
-    def launch_ahead(self, step: int, version: int) -> None:
-        """Launch, under ``version``, the batches of steps ``step + 1 .. step + staleness`` not
-        launched yet (``step`` is the step about to train)."""
-        for s in range(step + 1, step + self.staleness + 1):
+    def launch_ahead(self, step: int, version: int, end: Optional[int] = None) -> None:
+        """Launch, under ``version``, the batches of steps ``step + 1 .. step + staleness`` (below
+        ``end``, the run's step count, when given) not launched yet; ``step`` is about to train."""
+        stop = step + self.staleness + 1 if end is None else min(step + self.staleness + 1, end)
+        for s in range(step + 1, stop):
             if s not in self.pending:
                 job = Launched(s, version, self._draw(s))
                 self.pending[s] = job

@@ -38,7 +38,7 @@ class _Recorder:
         return f"batch{step}"
 
 
-def _run(k: int, steps: int, rec: _Recorder, train_s: float = 0.0):
+def _run(k: int, steps: int, rec: _Recorder, train_s: float = 0.0, serial: bool = False):
     """The trainer's schedule: take, launch ahead, train, drain, push (version + 1)."""
     pipe = RolloutPipeline(k, rec.draw, rec.generate)
     version, taken, trains = 0, [], []
@@ -46,7 +46,9 @@ def _run(k: int, steps: int, rec: _Recorder, train_s: float = 0.0):
         for step in range(steps):
             job = pipe.take(step, version)
             taken.append((step, job.version, job.results))
-            pipe.launch_ahead(step, version)
+            pipe.launch_ahead(step, version, end=steps)
+            if serial:  # broken on purpose: wait for the generation before training
+                pipe.drain()
             t0 = time.perf_counter()
             time.sleep(train_s)
             trains.append((Span(step, "train", t0, time.perf_counter()),
@@ -64,14 +66,21 @@ def test_pipeline_runs_k_ahead_and_bounds_staleness(k):
     rec = _Recorder(gen_s=0.05)
     taken, trains = _run(k, 5, rec, train_s=0.1)
     assert [t[0] for t in taken] == list(range(5)) and [t[2] for t in taken] == [f"batch{s}" for s in range(5)]
-    assert rec.draws == list(range(5 + k))  # drawn once each, in step order, k beyond the last step
+    assert rec.draws == list(range(5))  # drawn once each, in step order, none past the run
     # Step 0 is generated inline; every later batch in the worker thread, under the version of the
     # step that launched it: max(s - k, 0), so at most k versions old (and exactly k in steady state).
     assert rec.gens[0] == (0, True) and all(not inline for _, inline in rec.gens[1:])
     assert [v for _, v, _ in taken] == [max(s - k, 0) for s in range(5)]
     # Generation ahead overlaps training: each step's training intersects a generation span.
-    for train, ahead in trains:
+    for train, ahead in trains[:5 - k]:
         assert ahead and any(overlaps(train, g) for g in ahead)
+    assert all(ahead == [] for _, ahead in trains[5 - k:])  # the last k steps launch nothing new
+
+
+def test_overlap_check_fails_for_a_serial_schedule():
+    _, trains = _run(1, 3, _Recorder(gen_s=0.05), train_s=0.05, serial=True)
+    assert all(ahead for _, ahead in trains[:2])
+    assert not any(overlaps(train, g) for train, ahead in trains for g in ahead)
 
 
 def test_staleness_zero_runs_nothing_ahead():

@@ -187,9 +187,6 @@ def _check_staleness(cfg: Config) -> None:
     _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
                                      f"a step's extra generation batches cannot be drawn ahead; set one of "
                                      f"trainer.dynamic_sampling=false or trainer.staleness=0")
-    _require(cfg.checkpoint.dir is None, f"trainer.staleness={t.staleness} with checkpoint.dir set: saving and "
-                                         f"restoring the batches in flight is not implemented yet; set "
-                                         f"checkpoint.dir=null or trainer.staleness=0")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,

@@ -99,7 +99,7 @@ class Trainer:
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
-        self.t_start, self.version, self.pipeline = time.perf_counter(), 0, None
+        self.t_start, self.version, self.pipeline, self._saved_in_flight = time.perf_counter(), 0, None, []
         self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
@@ -117,6 +117,7 @@ class Trainer:
         # thread. Above 0: only the engine's generate runs ahead, in the pipeline's worker thread.
         self.pipeline = (RolloutPipeline(0, lambda step: step, self.rollout) if k == 0 else
                          RolloutPipeline(k, self._draw, lambda d: self.generate(d[1], d[2])))
+        self._restore_in_flight()
         stopped = None
         try:
             for step in range(self.start_step, self.cfg.trainer.total_steps):
@@ -177,7 +178,10 @@ class Trainer:
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
         if job is not None:
-            metrics.update(self._async_metrics(step, job, train_start, train_end))
+            from megatron_stare.rollout.async_loop import Span
+
+            metrics.update(self.pipeline.step_metrics(step, job, Span(step, "train", train_start, train_end),
+                                                      self.t_start))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
@@ -228,14 +232,36 @@ class Trainer:
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
         return samples, stats
 
-    def _draw(self, step: int):
-        """An asynchronous step's one generation batch, drawn on the main thread in step order:
-        ``(prompt indices, prompts, params)``, seeded as ``rollout``'s first batch of ``step``."""
+    def _draw(self, step: int, idx=None):
+        """An asynchronous step's one generation batch, drawn on the main thread in step order
+        (or ``idx``, restored from a checkpoint): ``(prompt indices, prompts, params)``, seeded
+        as ``rollout``'s first batch of ``step``."""
         from megatron_stare.generation import sampling_params
 
-        idx = self.sampler.next_batch()
+        idx = self.sampler.next_batch() if idx is None else list(idx)
         seed = (self.cfg.trainer.seed * 100_003 + step) * 1009
         return idx, self.train_set.batch(idx), sampling_params(self.engine_spec.sampling, seed=seed)
+
+    def _in_flight_state(self) -> list:
+        """The finished batches in flight at this step boundary, for the checkpoint (JSON: the
+        float32 log-probs round-trip exactly). Restored, not regenerated: they were sampled
+        under older weights than the checkpoint holds (``rollout/async_loop.py``)."""
+        from megatron_stare.rollout.async_loop import encode_in_flight
+
+        if self.pipeline is None or self.pipeline.staleness == 0:
+            return []
+        return encode_in_flight(self.pipeline.in_flight())
+
+    def _restore_in_flight(self) -> None:
+        from megatron_stare.rollout.async_loop import decode_in_flight
+
+        saved, self._saved_in_flight = self._saved_in_flight, []
+        if saved and self.pipeline.staleness == 0:
+            raise ValueError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
+                             f"asynchronous run; resume it with trainer.staleness >= 1")
+        # Results live on the generating ranks only, as in the uninterrupted run.
+        for job in decode_in_flight(saved, self._draw, keep_results=self.engine_spec.devices.generates):
+            self.pipeline.restore(job)
 
     def _select(self, job):
         """Phases 2-3 of a pipelined batch on the main thread (their collectives stay here); each
@@ -253,17 +279,6 @@ class Trainer:
         for s in samples:
             s.metadata["policy_version"] = job.version
         return samples, stats
-
-    def _async_metrics(self, step: int, job, train_start: float, train_end: float) -> dict:
-        """Staleness of the step's batch, and the timelines (seconds since the run's start) of its
-        training and of the generation that ran ahead during it."""
-        ahead = [j.span for j in self.pipeline.pending.values() if j.version == step and j.span is not None]
-        out = {"async/staleness": step - job.version, "async/in_flight": len(self.pipeline.pending),
-               "timeline/train_start": train_start - self.t_start, "timeline/train_end": train_end - self.t_start}
-        if ahead:
-            out.update({"timeline/generate_start": min(s.start for s in ahead) - self.t_start,
-                        "timeline/generate_end": max(s.end for s in ahead) - self.t_start})
-        return out
 
     def generate(self, prompts, params):
         """Phase 1: each engine replica generates its own slice of the prompts, seeded by their
@@ -392,6 +407,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "controller": self.controller.state_dict(),
+                "in_flight": self._in_flight_state(),
                 "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
 
     def save(self, step: int) -> None:
@@ -420,6 +436,7 @@ class Trainer:
         if self.gepo is not None and state.get("gepo"):
             self.gepo.load_state_dict(state["gepo"])
         self.skipped = int(state.get("skipped_steps", 0))
+        self._saved_in_flight = list(state.get("in_flight", []))
         if self.rank == DRIVER:
             print(f"[megatron-stare] resumed from {path} at step {self.start_step}", flush=True)
 

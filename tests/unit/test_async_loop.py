@@ -135,3 +135,33 @@ def test_ratio_band_masks_tokens_outside_the_band():
                                torch.tensor([[0.0, 0.5, 0.9, 1.0, 1.5, 0.0]]))
     torch.testing.assert_close(tis_weight(mb, 1.5), ratios.clamp(max=1.5))
     assert tis_weight(_MB(old, None), 1.5, (0.5, 2.0)) is None  # no behaviour log-probs
+
+
+def test_in_flight_batches_round_trip_exactly_through_json():
+    import json
+
+    from megatron_stare.rollout.async_loop import Launched, decode_in_flight, encode_in_flight
+    from megatron_stare.rollout.base import GenerationResult
+
+    g = torch.Generator().manual_seed(0)
+    res = [GenerationResult(p, i, [5, 6, 7], torch.randn(3, generator=g, dtype=torch.float32) - 3, "length")
+           for p in (3, 9) for i in range(2)]
+    jobs = [Launched(4, 3, ([3, 9], "prompts", "params"), res), Launched(5, 3, ([1, 2], "p", "q"), None)]
+    saved = json.loads(json.dumps(encode_in_flight(jobs)))
+    draws = []
+    back = decode_in_flight(saved, lambda step, idx: draws.append((step, idx)) or (idx, step), keep_results=True)
+    assert draws == [(4, [3, 9]), (5, [1, 2])]
+    assert [(j.step, j.version, j.draw, j.results is None) for j in back] == [(4, 3, ([3, 9], 4), False),
+                                                                          (5, 3, ([1, 2], 5), True)]
+    for a, b in zip(res, back[0].results):
+        assert (a.prompt_index, a.sample_index, a.token_ids, a.finish_reason) == \
+            (b.prompt_index, b.sample_index, b.token_ids, b.finish_reason)
+        assert torch.equal(a.logprobs, b.logprobs) and b.logprobs.dtype == torch.float32  # bit-exact
+    assert all(j.results is None for j in decode_in_flight(saved, lambda s, i: i, keep_results=False))
+    # Restored batches are taken without generating anything.
+    pipe = RolloutPipeline(1, lambda s: pytest.fail("drew"), lambda d: pytest.fail("generated"))
+    try:
+        pipe.restore(back[0])
+        assert pipe.take(4, 4).results is back[0].results
+    finally:
+        pipe.close()

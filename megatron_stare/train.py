@@ -185,6 +185,8 @@ class Trainer:
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
+        if stats.ratio_masked_frac is not None:
+            metrics["mismatch/ratio_masked_frac"] = stats.ratio_masked_frac
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             with self.timer("eval"):
                 metrics.update(self.evaluate(step))

@@ -44,6 +44,8 @@ class StepStats:
     mismatch_mean: Optional[float] = None
     """Mean |logp_engine - logp_train| over response tokens (when engine log-probs came)."""
     mismatch_max: Optional[float] = None
+    ratio_masked_frac: Optional[float] = None
+    """Fraction of response tokens outside the off-policy ratio band (asynchronous training)."""
 
 
 @dataclass

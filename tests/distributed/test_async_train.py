@@ -87,6 +87,7 @@ def test_staleness_one_on_a_vllm_server_overlaps_and_bounds_age(assets):
     # Step s trains on the batch launched under version max(s - 1, 0): at most one version old.
     assert r0["versions"] == [[max(s - 1, 0)] for s in range(steps)] == r1["versions"]
     assert [r["async/staleness"] for r in r0["rows"]] == [0] + [1] * (steps - 1)
+    assert all(0.0 <= r["mismatch/ratio_masked_frac"] <= 1.0 for r in r0["rows"])  # the band mask's share
     # The driver's timelines (its worker thread drives the server): the last step launches
     # nothing ahead (its batch would be past the run).
     assert "timeline/generate_start" not in r0["rows"][-1]

@@ -165,3 +165,28 @@ def test_in_flight_batches_round_trip_exactly_through_json():
         assert pipe.take(4, 4).results is back[0].results
     finally:
         pipe.close()
+
+
+class _MaskedMB(_MB):
+    def __init__(self, old, eng, mask):
+        super().__init__(old, eng)
+        self.loss_mask = mask
+
+
+def _masked_fraction(rank, world):
+    import torch.distributed as dist
+
+    from megatron_stare.actor.mismatch import band_masked_fraction
+
+    eng = torch.zeros(2, 3)
+    # 4 response tokens per rank (the mask): 1 outside the band on rank 0, 3 on rank 1.
+    ratios = [torch.tensor([[0.3, 1.0, 9.0], [1.0, 1.0, 9.0]]), torch.tensor([[0.1, 3.0, 1.0], [1.0, 0.2, 0.2]])][rank]
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    return band_masked_fraction([_MaskedMB(torch.log(ratios), eng, mask)], (0.5, 2.0), dist.group.WORLD,
+                                torch.device("cpu"))
+
+
+def test_band_masked_fraction_counts_masked_response_tokens_over_ranks():
+    from megatron_stare.testing.distributed import run_on_ranks
+
+    assert run_on_ranks(_masked_fraction, 2) == [0.5, 0.5]  # (1 + 3) of 8 response tokens

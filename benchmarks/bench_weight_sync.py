@@ -1,199 +1,265 @@
-"""Weight-sync time, bandwidth and peak memory through the process-group transport, against a raw
-collective of the same bytes.
+"""Weight sync from a Megatron trainer to an engine, against the raw collectives of the same bytes.
 
-Setup: a trainer job (``tp * pp`` gloo ranks; rank 0 sends) and one engine process (receives)
-joined by a 2-member weight group, as a disaggregated engine would be. Per repeat:
+Setup: a trainer world of ``tp * pp`` gloo ranks (a Megatron model loaded from a Qwen2-like HF
+checkpoint) and one engine process joined to global rank 0 by a 2-member weight group, as a
+disaggregated engine would be. Two variants, each in its OWN world (its own trainer ranks and
+its own engine process; ``bench_common``), timed in interleaved rounds (median of the paired
+ratios):
 
-- ``transport``: ``ProcessGroupSender`` -> ``ProcessGroupReceiver`` of the whole model in flat
-  buckets of ``--bucket-mb``; the receiver copies every tensor into preallocated "engine"
-  parameters, as an engine's loader does;
-- ``raw``: one broadcast of a preallocated buffer of the same total bytes (the floor: no
-  bucketing, no metadata, no producer);
-- ratio = transport / raw (1.0 = transport overhead-free), and bytes/s of each;
-- peak extra memory on the sender and on the receiver during the transport sync (torch
-  allocator events), against the bucket size.
+- ``sync``: the trainer path - ``models.export.iter_hf_buckets(dst=0)`` (TP gathers, PP hand-off
+  to rank 0, HF conversion, flat buckets of ``--bucket-mb``) streamed by ``ProcessGroupSender``
+  to the engine's ``ProcessGroupReceiver``, which copies every tensor into preallocated
+  parameters. Sender and receiver are kept across syncs (as the engines keep them).
+- ``raw``: the collectives the same bytes need and nothing else, measured one after the other
+  on preallocated buffers: (1) an ``all_gather_into_tensor`` over TP of every TP-split
+  parameter's shard bytes of the stage (all stages at once), (2) ``send``/``recv`` of every
+  other stage's HF bytes to rank 0 (the PP hand-off), (3) one broadcast of the whole model's
+  HF bytes to the engine.
 
-Sources (``--source``):
-- ``state_dict`` (default): HF-named random tensors of a Qwen2-like model (``--hidden``,
-  ``--layers``, ``--vocab``, ``--ffn``; defaults ~370 MB fp32) already resident on rank 0;
-- ``megatron``: THE TRAINER PATH - the same shapes written as an HF checkpoint, loaded into a
-  Megatron model at ``--tp`` x ``--pp``, and streamed by ``models.export.iter_hf_buckets``
-  (dst rank 0: TP gathers, PP hand-off, HF renaming, flat buckets) straight into the sender
-  (``send_buckets``, no repacking). The time then includes the export; ``export-only`` is
-  reported too.
+Both end when the engine has acknowledged (a 1-element broadcast back), so the receiver's last
+copy is inside the sync time. ``ratio = sync / raw``; the goal (issue #17) is <= 1.5 at TP2xPP2.
+Also recorded: the per-phase times inside the sync on rank 0 (TP gather, PP hand-off, packing,
+broadcast: ``ExportStats`` / ``SyncStats``) and the sender's peak extra memory (torch allocator
+events on rank 0 during one sync, outside the timed rounds) in units of the bucket size.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_weight_sync.py [--source megatron --tp 2 --pp 2]
-[--bucket-mb 64] [--repeats 3]``.
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_weight_sync.py [--layouts 2x1 2x2]
+[--bucket-mb 32] [--repeats 5] [--json benchmarks/results/weight_sync.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402
 
 GROUP = "bench_weights"
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")  # its replacement is not in every torch
+EXIT, SYNC, RAW = 0, 1, 2
 
 
-def hf_shapes(hidden: int, layers: int, vocab: int, ffn: int, heads: int = 12, kv: int = 4):
-    """HF Qwen2 tensor names and shapes for the given dimensions."""
-    hd = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.q_proj.bias": (heads * hd,),
-            p + "self_attn.k_proj.weight": (kv * hd, hidden), p + "self_attn.k_proj.bias": (kv * hd,),
-            p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.v_proj.bias": (kv * hd,),
-            p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
-            p + "mlp.down_proj.weight": (hidden, ffn),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
-    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
-    return shapes
-
-
-def _engine(port: int, shapes: dict, repeats: int, out_q) -> None:
-    """The engine process: receive every repeat into preallocated parameters, then the raw bytes."""
+def _engine(port: int) -> None:
+    """The engine process: obey commands broadcast by the trainer's rank 0 over the weight group."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megatron_stare.weight_sync import init_named_weight_group
-    from megatron_stare.weight_sync import PeakMemory, ProcessGroupReceiver
+    from megatron_stare.weight_sync import ProcessGroupReceiver, init_named_weight_group
+    from megatron_stare.weight_sync.wire import broadcast
 
     group = init_named_weight_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
-    params = {n: torch.empty(s) for n, s in shapes.items()}
-    total = sum(t.numel() * t.element_size() for t in params.values())
-    raw = torch.empty(total, dtype=torch.uint8)
-    peaks, copy_s = [], []
-    for _ in range(repeats):
-        recv = ProcessGroupReceiver(group, 0)
-        spent = 0.0
-        with PeakMemory() as mem:
+    recv = ProcessGroupReceiver(group, 0)  # kept across syncs: its staging buffer is reused
+    params, raw, ack = {}, None, torch.ones(1)
+    while True:
+        cmd = torch.zeros(2, dtype=torch.int64)
+        broadcast(cmd, 0, group)
+        if int(cmd[0]) == EXIT:
+            return
+        if int(cmd[0]) == SYNC:
             for name, t in recv.receive():
-                t0 = time.perf_counter()
-                params[name].copy_(t)
-                spent += time.perf_counter() - t0
+                dst = params.get(name)
+                if dst is None:  # first (warm-up) sync: allocate the "engine parameters"
+                    dst = params[name] = torch.empty_like(t)
+                dst.copy_(t)
                 del t
-        peaks.append(mem.peak_bytes)
-        copy_s.append(spent)
-        group.broadcast(raw, 0).wait()
-    out_q.put((peaks, copy_s))
+        else:
+            if raw is None or raw.numel() != int(cmd[1]):
+                raw = torch.zeros(int(cmd[1]), dtype=torch.uint8)
+            broadcast(raw, 0, group)
+        broadcast(ack, 1, group)
 
 
-def _trainer(rank, world, args, port, shapes, hf_dir):
-    from megatron_stare.weight_sync import init_named_weight_group
-    from megatron_stare.weight_sync import PeakMemory, ProcessGroupSender, iter_buckets
+def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
+    """One rank of a variant's world; returns its runner."""
+    torch.set_num_threads(1)
+    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.models.provider import build_from_hf
+    from megatron_stare.parallel import ParallelLayout, group_ranks, init_distributed
+    from megatron_stare.testing.distributed import free_port
+    from megatron_stare.weight_sync import PeakMemory, ProcessGroupSender, init_named_weight_group
+    from megatron_stare.weight_sync.wire import broadcast
 
-    bucket = args.bucket_mb << 20
-    if args.source == "megatron":
-        from megatron_stare.models.export import ExportStats, iter_hf_buckets
-        from megatron_stare.models.provider import build_from_hf
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+    groups = init_distributed(ParallelLayout.from_world(world, tp=tp, pp=pp))
+    model, spec, _ = build_from_hf(hf_dir, groups)
 
-        groups = init_distributed(ParallelLayout.from_world(world, tp=args.tp, pp=args.pp))
-        model, spec, _ = build_from_hf(hf_dir, groups)
-        export_stats = ExportStats()
-        source = lambda: iter_hf_buckets(model, groups, spec, bucket, dst=0,  # noqa: E731
-                                         stats=export_stats)
-    else:
-        export_stats = None
-        g = torch.Generator().manual_seed(0)
-        sd = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
-        source = lambda: iter_buckets(iter(sd.items()), bucket)  # noqa: E731
-    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
-    export_s = []
-    for _ in range(args.repeats if args.source == "megatron" else 0):
-        t0 = time.perf_counter()
-        for b in source():
-            del b
-        export_s.append(time.perf_counter() - t0)
-    if rank != 0:
-        for _ in range(args.repeats):
-            for b in source():
+    def export(stats=None):
+        return iter_hf_buckets(model, groups, spec, bucket_bytes, dst=0, stats=stats)
+
+    # Byte counts of what the sync moves, from one export (also the warm-up of the export).
+    st = ExportStats()
+    for b in export(st):
+        del b
+    stage_bytes = torch.tensor([st.total_bytes if groups.tp_rank == 0 else 0], dtype=torch.int64)
+    all_stage = [torch.zeros_like(stage_bytes) for _ in range(world)]
+    dist.all_gather(all_stage, stage_bytes)
+    total = int(sum(int(t) for t in all_stage))
+    from megatron_stare.models.sharding import local_params
+    shard = sum(p.numel() * p.element_size() for _, _, p in local_params(model)
+                if tp > 1 and getattr(p, "tensor_model_parallel", False))
+    pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [rank]
+    mine = int(all_stage[rank]) if 0 in pp_ranks and rank != 0 else 0  # bytes this rank hands to 0
+
+    group = sender = None
+    if rank == 0:
+        port = free_port()
+        eng = mp.get_context("spawn").Process(target=_engine, args=(port,))
+        eng.start()
+        group = init_named_weight_group("127.0.0.1", port, 0, 2, GROUP, "gloo")
+        sender = ProcessGroupSender(group, 0)  # kept across syncs (staging reuse)
+    ack = torch.zeros(1)
+
+    def command(code: int, n: int = 0) -> None:
+        broadcast(torch.tensor([code, n], dtype=torch.int64), 0, group)
+
+    def sync(stats=None) -> dict:
+        if rank != 0:
+            for b in export(stats):
                 del b
-        return None
-    group = init_named_weight_group("127.0.0.1", port, 0, 2, GROUP, "gloo")
-    sender = ProcessGroupSender(group, 0)
-    raw = torch.zeros(total, dtype=torch.uint8)
-    times, raws, peaks, packs, nbuckets = [], [], [], [], 0
-    for _ in range(args.repeats):
-        with PeakMemory() as mem:
-            stats = sender.send_buckets(source())
-        times.append(stats.seconds)
-        packs.append(stats.pack_seconds)
-        peaks.append(mem.peak_bytes)
-        nbuckets = stats.num_buckets
-        assert stats.bytes == total, (stats.bytes, total)
+            return {}
+        command(SYNC)
+        st = sender.send_buckets(export(stats))
+        broadcast(ack, 1, group)
+        assert st.bytes == total, (st.bytes, total)
+        return {"pack": st.pack_seconds, "send": st.send_seconds, "buckets": st.num_buckets}
+
+    sync()  # warm-up: engine parameters and every staging buffer allocated
+    gather_in = torch.ones(shard // 4 + 1)
+    gather_out = torch.empty(gather_in.numel() * tp)
+    hand = torch.zeros(max(mine, 1), dtype=torch.uint8)
+    recv_bufs = {r: torch.zeros(int(all_stage[r]), dtype=torch.uint8) for r in pp_ranks if r != 0} \
+        if rank == 0 else {}
+    bcast = torch.zeros(total, dtype=torch.uint8) if rank == 0 else None
+
+    def raw() -> dict:
+        out = {}
         t0 = time.perf_counter()
-        group.broadcast(raw, 0).wait()
-        raws.append(time.perf_counter() - t0)
-    return {"total": total, "times": times, "raws": raws, "peaks": peaks, "buckets": nbuckets,
-            "export_s": export_s, "packs": packs,
-            "export_peak": export_stats.peak_live_bytes if export_stats else None}
+        if tp > 1:
+            dist.all_gather_into_tensor(gather_out, gather_in, group=groups.tp_group)
+        t1 = time.perf_counter()
+        if rank == 0:
+            for r, buf in recv_bufs.items():
+                dist.recv(buf, src=r)
+        elif mine:
+            dist.send(hand, dst=0)
+        t2 = time.perf_counter()
+        if rank == 0:
+            command(RAW, total)
+            broadcast(bcast, 0, group)
+            broadcast(ack, 1, group)
+        t3 = time.perf_counter()
+        out.update(gather=t1 - t0, handoff=t2 - t1, bcast=t3 - t2)
+        return out
+
+    def runner(cmd):
+        dist.barrier()
+        if cmd == "info":
+            return {"total": total, "shard_bytes": shard, "handoff_bytes": sum(int(all_stage[r]) for r in recv_bufs),
+                    "largest_tensor": st.max_tensor_bytes}
+        if cmd == "peak":
+            if rank != 0:
+                sync()
+                return None
+            with PeakMemory() as mem:
+                sync()
+            return mem.peak_bytes
+        if cmd == "phases":  # one sync with the exporter's phase times (rank 0's view)
+            est = ExportStats()
+            t0 = time.perf_counter()
+            out = sync(est)
+            out["total"] = time.perf_counter() - t0
+            out.update(gather=est.gather_seconds, handoff=est.handoff_seconds, convert=est.convert_seconds,
+                       pack=est.pack_seconds + out.get("pack", 0.0))  # the exporter's packing (+ the sender's: none)
+            return out
+        if cmd == "time":
+            t0 = time.perf_counter()
+            out = sync() if kind == "sync" else raw()
+            out["total"] = time.perf_counter() - t0
+            return out
+        if cmd == "stop" and rank == 0:
+            command(EXIT)
+            eng.join(timeout=60)
+        return None
+
+    return runner
+
+
+def run_layout(tp: int, pp: int, hf_dir: str, bucket_mb: int, repeats: int) -> dict:
+    bb = bucket_mb << 20
+    worlds = bench_common.start([bench_common.Variant(k, _trainer_setup, (k, tp, pp, hf_dir, bb))
+                                 for k in ("sync", "raw")], world_size=tp * pp)
+    try:
+        info = worlds.ask("raw", "info")[0]
+        rounds = bench_common.interleaved_times(worlds, ["sync", "raw"], repeats,
+                                                reduce=lambda answers: answers[0])
+        phases = [worlds.ask("sync", "phases")[0] for _ in range(3)]
+        peak = max(worlds.ask("sync", "peak")[0] for _ in range(2))
+        for n in ("sync", "raw"):
+            worlds.ask(n, "stop")
+    finally:
+        worlds.close()
+    sync_t = [r["total"] for r in rounds["sync"]]
+    raw_t = [r["total"] for r in rounds["raw"]]
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {
+        "layout": f"TP{tp}xPP{pp}", "ranks": tp * pp, "bucket_bytes": bb, "model_bytes": info["total"],
+        "largest_tensor_bytes": info["largest_tensor"], "tp_shard_bytes_per_rank": info["shard_bytes"],
+        "handoff_bytes": info["handoff_bytes"], "buckets": rounds["sync"][0]["buckets"],
+        "sync_s": sync_t, "raw_s": raw_t, "ratio": bench_common.paired_ratio(sync_t, raw_t),
+        "sync_median_s": statistics.median(sync_t), "raw_median_s": statistics.median(raw_t),
+        "raw_phases_median_s": {k: med(rounds["raw"], k) for k in ("gather", "handoff", "bcast")},
+        "sync_phases_median_s": {k: med(phases, k) for k in ("gather", "handoff", "convert", "pack", "send",
+                                                             "total")},
+        "sender_peak_bytes": peak, "sender_peak_buckets": peak / bb,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", choices=["state_dict", "megatron"], default="state_dict")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--layouts", nargs="+", default=["2x1", "2x2"], help="TPxPP of the trainer")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--ffn", type=int, default=2048)
-    ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the results here (e.g. benchmarks/results/weight_sync.json)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_stare.testing.hf_models import build_tiny_hf_model
 
-    from megatron_stare.testing.distributed import free_port, run_on_ranks
-
-    shapes = hf_shapes(args.hidden, args.layers, args.vocab, args.ffn)
-    hf_dir = None
-    if args.source == "megatron":
-        from megatron_stare.testing.hf_models import build_tiny_hf_model
-
-        hf_dir = str(build_tiny_hf_model(
-            "qwen2", Path(tempfile.mkdtemp(prefix="bench_ws_")) / "m", num_layers=args.layers,
-            vocab_size=args.vocab, hidden_size=args.hidden, num_heads=12, num_kv_heads=4,
-            ffn_hidden_size=args.ffn))
-    world = args.tp * args.pp if args.source == "megatron" else 1
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    eng = ctx.Process(target=_engine, args=(port, shapes, args.repeats, q))
-    eng.start()
-    try:
-        out = run_on_ranks(_trainer, world, args, port, shapes, hf_dir, timeout=3600)[0]
-        recv_peaks, recv_copy = q.get(timeout=600)
-    finally:
-        eng.join(timeout=30)
-        if eng.is_alive():
-            eng.kill()
-    mb = out["total"] / 2 ** 20
-    t, r = statistics.median(out["times"]), statistics.median(out["raws"])
-    src = f"megatron TP{args.tp}xPP{args.pp}" if args.source == "megatron" else "state dict"
-    print(f"source: {src}; model {mb:.0f} MB fp32, {len(shapes)} HF tensors; "
-          f"bucket {args.bucket_mb} MB -> {out['buckets']} buckets; median of {args.repeats}")
-    print(f"transport : {t:7.3f} s  {mb / t:8.1f} MB/s")
-    print(f"raw bcast : {r:7.3f} s  {mb / r:8.1f} MB/s")
-    print(f"ratio transport/raw: {t / r:.2f}   (inside transport: sender packing "
-          f"{statistics.median(out['packs']):.3f} s, receiver copy into parameters "
-          f"{statistics.median(recv_copy):.3f} s; raw does neither)")
-    if out["export_s"]:
-        e = statistics.median(out["export_s"])
-        print(f"export-only (TP gather + PP hand-off + HF conversion + packing): {e:.3f} s; "
-              f"exporter's own peak on rank 0: {out['export_peak'] / 2 ** 20:.1f} MB "
-              f"(bucket + the tensor being converted; the transport adds no copy)")
-    print(f"peak extra memory: sender {max(out['peaks']) / 2 ** 20:.1f} MB, receiver "
-          f"{max(recv_peaks) / 2 ** 20:.1f} MB (bucket {args.bucket_mb} MB; model {mb:.0f} MB)")
+    hf_dir = str(build_tiny_hf_model(
+        "qwen2", Path(tempfile.mkdtemp(prefix="bench_ws_")) / "m", num_layers=args.layers,
+        vocab_size=args.vocab, hidden_size=args.hidden, num_heads=12, num_kv_heads=4,
+        ffn_hidden_size=args.ffn))
+    results = []
+    for lay in args.layouts:
+        tp, pp = (int(v) for v in lay.split("x"))
+        r = run_layout(tp, pp, hf_dir, args.bucket_mb, args.repeats)
+        results.append(r)
+        mb = r["model_bytes"] / 2 ** 20
+        rp, sp = r["raw_phases_median_s"], r["sync_phases_median_s"]
+        print(f"{r['layout']}: model {mb:.0f} MiB fp32, bucket {args.bucket_mb} MiB -> {r['buckets']} buckets; "
+              f"{args.repeats} interleaved rounds")
+        print(f"  sync {r['sync_median_s']:.3f} s | raw collectives {r['raw_median_s']:.3f} s "
+              f"(gather {rp['gather']:.3f} + hand-off {rp['handoff']:.3f} + bcast {rp['bcast']:.3f}) | "
+              f"ratio {r['ratio']:.2f} (goal <= 1.5)")
+        print(f"  inside the sync (rank 0, median of 3): gather {sp['gather']:.3f}, hand-off {sp['handoff']:.3f}, "
+              f"convert {sp['convert']:.3f}, pack {sp['pack']:.3f}, send {sp['send']:.3f}, total {sp['total']:.3f} s")
+        print(f"  sender peak extra memory {r['sender_peak_bytes'] / 2 ** 20:.1f} MiB = "
+              f"{r['sender_peak_buckets']:.2f} buckets (goal <= 2)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "weight_sync", "machine": bench_common.machine(),
+                                               "args": vars(args), "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,12 @@ def sample_row(s: Sample, with_engine_logp: bool = False) -> Dict[str, Tensor]:
     row["loss_mask"][p - 1:] = True  # target index t is token t+1: response tokens start at p
     row["token_keys"] = torch.zeros(n, dtype=torch.long)
     row["token_keys"][p - 1:] = s.sample_id * KEY_STRIDE + torch.arange(r)
+    if s.loss_mask is not None:  # multi-turn: tool / environment tokens are masked targets
+        if len(s.loss_mask) != r:
+            raise ValueError(f"sample {s.sample_id}: loss mask of {len(s.loss_mask)} for {r} response tokens")
+        trained = torch.tensor(s.loss_mask, dtype=torch.bool)
+        row["loss_mask"][p - 1:] = trained
+        row["token_keys"][p - 1:] *= trained
     if with_engine_logp:
         if s.engine_logprobs is None or len(s.engine_logprobs) != r:
             raise ValueError("engine log-probs missing or of the wrong length for some samples")

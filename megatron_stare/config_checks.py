@@ -98,6 +98,22 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
                                                f"{spec.ffn_hidden_size}; choose a divisor")
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    """The environment resolves (name or dotted path), and an option set only means something
+    with one."""
+    from megatron_stare.envs import EnvError, get_env_class
+
+    mt = cfg.rollout.multi_turn
+    if not mt.env:
+        _require(not mt.env_options, "rollout.multi_turn.env_options are set but rollout.multi_turn.env is "
+                                     "empty (single turn); name an environment, or drop the options")
+        return
+    try:
+        get_env_class(mt.env)
+    except EnvError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_engine(cfg: Config, cuda: bool) -> None:
     """Rollout settings the chosen engine cannot honour, one line each."""
     r = cfg.rollout
@@ -135,19 +151,23 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
 
 def _check_lengths(cfg: Config, spec) -> None:
     r, p, d = cfg.rollout, cfg.parallel, cfg.data
-    max_seq = d.max_prompt_length + r.max_new_tokens
+    max_seq = d.max_prompt_length + r.max_response_tokens
+    resp = "rollout.multi_turn.max_total_tokens" if r.multi_turn.env else "rollout.max_new_tokens"
     if spec is not None:
         _require(max_seq <= spec.max_position_embeddings,
-                 f"data.max_prompt_length + rollout.max_new_tokens = {max_seq} exceeds the model's "
+                 f"data.max_prompt_length + {resp} = {max_seq} exceeds the model's "
                  f"max_position_embeddings {spec.max_position_embeddings}; shorten them")
     _require(p.micro_batch_tokens >= max_seq,
              f"parallel.micro_batch_tokens={p.micro_batch_tokens} is below the longest sequence, "
-             f"data.max_prompt_length + rollout.max_new_tokens = {max_seq}, which would get a "
+             f"data.max_prompt_length + {resp} = {max_seq}, which would get a "
              f"micro-batch of its own beyond the budget; raise micro_batch_tokens to >= {max_seq}")
     w = cfg.reward
-    _require(w.overlong_buffer_len < r.max_new_tokens or w.overlong_buffer_len == 0,
-             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below rollout.max_new_tokens="
-             f"{r.max_new_tokens}")
+    budget = ("rollout.max_new_tokens" if not r.multi_turn.env else
+              "the model-token budget min(rollout.multi_turn.max_turns * rollout.max_new_tokens, "
+              "rollout.multi_turn.max_total_tokens)")
+    _require(w.overlong_buffer_len < r.max_model_tokens or w.overlong_buffer_len == 0,
+             f"reward.overlong_buffer_len={w.overlong_buffer_len} must be below {budget}="
+             f"{r.max_model_tokens}")
 
 
 def _check_schedule(cfg: Config) -> None:
@@ -242,6 +262,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
     _check_engine(cfg, cuda)
+    _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
     _check_lengths(cfg, spec)
 

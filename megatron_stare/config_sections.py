@@ -8,7 +8,7 @@ and states it in its docstring; ``megatron_stare.config`` loads YAML into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
 from megatron_stare.config_fields import num
@@ -59,6 +59,21 @@ class ModelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with an environment (tools): off while ``env`` is empty."""
+
+    env: str = ""
+    """Environment registry name (``calculator``) or dotted path 'pkg.module:Class'; '' = single turn."""
+    env_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's class (e.g. ``time_limit_s``)."""
+    max_turns: int = num(4, ge=1)
+    """Most model turns per trajectory, >= 1."""
+    max_total_tokens: int = num(1024, ge=1)
+    """Most response tokens per trajectory (model turns + observations), >= 1; each turn gets
+    at most rollout.max_new_tokens of them."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
@@ -97,6 +112,26 @@ class RolloutConfig:
     """Sampling temperature at evaluation, >= 0 (0 = greedy)."""
     eval_top_p: float = num(0.7, gt=0, le=1)
     """Nucleus mass at evaluation, in (0, 1]."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn tool use (rollout/multiturn.py, envs/)."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a sequence holds: ``max_new_tokens``, or with multi-turn the
+        trajectory's ``multi_turn.max_total_tokens`` (model turns + observations): what context
+        lengths (vLLM's max_model_len), micro-batch budgets and position limits must fit."""
+        return self.multi_turn.max_total_tokens if self.multi_turn.env else self.max_new_tokens
+
+    @property
+    def max_model_tokens(self) -> int:
+        """Most tokens the policy itself generates per response: ``max_new_tokens``, or with
+        multi-turn ``min(max_turns * max_new_tokens, max_total_tokens)``. Response lengths
+        (``response/*`` metrics, DAPO overlong shaping) count model tokens only, against this
+        budget: observations are the environment's, not a length the policy chose."""
+        mt = self.multi_turn
+        if not mt.env:
+            return self.max_new_tokens
+        return min(mt.max_turns * self.max_new_tokens, mt.max_total_tokens)
 
 
 @dataclass

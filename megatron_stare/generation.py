@@ -13,7 +13,7 @@ variance (with dynamic sampling), computes group advantages and returns the step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -48,20 +48,35 @@ class RolloutStats:
     accuracy: float = 0.0
     """Fraction of responses with reward > 0 before shaping (the verifier's verdict)."""
     response_len_mean: float = 0.0
+    """Response lengths count model tokens only (``model_tokens``): with multi-turn, the
+    observations are not a length the policy chose; DAPO overlong shaping counts the same way
+    against ``rollout.max_model_tokens``."""
     response_len_max: int = 0
     truncated_frac: float = 0.0
+    """Responses that ended ``"length"``: out of new tokens, or (multi-turn) out of turns or of
+    ``max_total_tokens`` before the environment said done."""
     gen_batches: int = 0
     kept_groups: int = 0
     num_tokens: int = 0
+    """Every response token generated or appended (observations included): the rollout's work."""
     reward_timeouts: int = 0
     """Responses scored 0 because their verifier call ran out of time (or its worker died)."""
+    multiturn: Dict[str, float] = field(default_factory=dict)
+    """Multi-turn rollouts only: ``rollout.multiturn.multiturn_metrics`` of the step's trajectories."""
 
     def metrics(self) -> Dict[str, Any]:
-        return {"reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
+        return {**self.multiturn, "reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
                 "reward/timeouts": self.reward_timeouts,
                 "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
                 "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,
                 "rollout/kept_groups": self.kept_groups}
+
+
+def model_tokens(result: GenerationResult) -> int:
+    """The tokens of a response the policy generated: all of them, or a multi-turn trajectory's
+    loss-mask-1 tokens (its observations are the environment's)."""
+    mask = getattr(result, "loss_mask", None)
+    return len(result.token_ids) if mask is None else int(sum(mask))
 
 
 def sampling_params(defaults: SamplingDefaults, *, seed: int, stop_ids: Sequence[int] = ()) -> SamplingParams:
@@ -80,16 +95,17 @@ class GroupSelector:
         self.kept: List[tuple] = []  # (prompt, [results], [shaped rewards])
         self.raw: List[float] = []
         self.lengths: List[int] = []
-        self.truncated = self.batches = self.timeouts = 0
+        self.truncated = self.batches = self.timeouts = self.total_tokens = 0
 
     def add(self, batch: ScoredBatch) -> None:
         t = self.cfg.trainer
-        lens = torch.tensor([len(r.token_ids) for r in batch.results])
+        lens = torch.tensor([model_tokens(r) for r in batch.results])
         shaped = shape_overlong(torch.tensor(batch.scores, dtype=torch.float32), lens,
-                                self.cfg.rollout.max_new_tokens, self.cfg.reward).tolist()
+                                self.cfg.rollout.max_model_tokens, self.cfg.reward).tolist()
         self.batches += 1
         self.raw += batch.scores
         self.lengths += lens.tolist()
+        self.total_tokens += sum(len(r.token_ids) for r in batch.results)
         self.truncated += sum(r.finish_reason == "length" for r in batch.results)
         self.timeouts += batch.timeouts + batch.crashes
         n = batch.n
@@ -120,7 +136,8 @@ class GroupSelector:
             for r, rw in zip(res, rewards):
                 samples.append(Sample(sample_id=len(samples), group_id=g, prompt_ids=list(p.token_ids),
                                       response_ids=list(r.token_ids), reward=float(rw),
-                                      engine_logprobs=r.logprobs.tolist(), finish_reason=r.finish_reason))
+                                      engine_logprobs=r.logprobs.tolist(), finish_reason=r.finish_reason,
+                                      loss_mask=getattr(r, "loss_mask", None)))
         if samples:
             adv = compute_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
                                      torch.tensor([s.group_id for s in samples]), self.cfg.algorithm)
@@ -132,7 +149,7 @@ class GroupSelector:
             response_len_mean=float(sum(self.lengths) / max(len(self.lengths), 1)),
             response_len_max=int(max(self.lengths, default=0)),
             truncated_frac=self.truncated / max(len(self.lengths), 1), gen_batches=self.batches,
-            kept_groups=len(kept), num_tokens=int(sum(self.lengths)), reward_timeouts=self.timeouts)
+            kept_groups=len(kept), num_tokens=self.total_tokens, reward_timeouts=self.timeouts)
         return samples, stats
 
 
@@ -141,5 +158,5 @@ def eval_metrics(batch: ScoredBatch) -> Dict[str, float]:
     k = batch.n
     correct = torch.tensor([s > 0 for s in batch.scores], dtype=torch.float64).view(len(batch.prompts), k)
     return {f"eval/avg@{k}": float(correct.mean()), f"eval/pass@{k}": float(correct.max(1).values.mean()),
-            "eval/response_len_mean": float(sum(len(r.token_ids) for r in batch.results)
+            "eval/response_len_mean": float(sum(model_tokens(r) for r in batch.results)
                                             / max(len(batch.results), 1))}

@@ -295,7 +295,7 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
     opt_shards = dp * cp if p.distributed_optimizer else 1
 
     # Batches: a sequence is never split across micro-batches, only across CP ranks.
-    max_seq = cfg.data.max_prompt_length + r.max_new_tokens
+    max_seq = cfg.data.max_prompt_length + r.max_response_tokens
     mb_tokens = max(p.micro_batch_tokens, max_seq)
     s_local = math.ceil(mb_tokens / cp)
     responses = t.prompts_per_step // t.mini_batches_per_step * r.n

@@ -67,6 +67,7 @@ class Trainer:
         # First (unless main() did it already): a preemption signal during the (long) set-up is
         # recorded, not fatal, and the run stops at the first step boundary.
         self.preemption = preemption if preemption is not None else Preemption.install()
+        self._owns_preemption = preemption is None  # main() keeps its handlers until the process ends
         p, m = cfg.parallel, cfg.model
         get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
         hf_dir = self._hf_dir()
@@ -222,6 +223,7 @@ class Trainer:
         from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
 
         selector = GroupSelector(self.cfg)
+        generated: list = []  # every generation batch's results (multi-turn metrics)
         while not selector.full:
             prompts = self.train_set.batch(self.sampler.next_batch())
             seed = (self.cfg.trainer.seed * 100_003 + step) * 1009 + selector.batches
@@ -234,7 +236,12 @@ class Trainer:
                 shared = self.score(prompts, results)
             selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
                                      shared.crashes))
+            generated += results
         samples, stats = selector.finish()
+        if self.cfg.rollout.multi_turn.env:
+            from megatron_stare.rollout.multiturn import multiturn_metrics
+
+            stats.multiturn = multiturn_metrics(generated)
         if not samples:
             raise RuntimeError(f"step {step}: no informative prompt groups after "
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
@@ -297,7 +304,20 @@ class Trainer:
         if not d.generates:
             return None
         part = replica_slice(len(prompts), d.replica, d.replicas)
-        return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+        mt = self.cfg.rollout.multi_turn
+        if not mt.env:
+            return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
+        from megatron_stare.envs import make_env
+        from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
+
+        def new_env(j: int):  # one environment per trajectory, reset with its task
+            env = make_env(mt.env, self.tokenizer, mt.env_options)
+            p = prompts[part[j]]
+            env.reset(p.token_ids, p.answer, p.metadata)
+            return env
+
+        return generate_multiturn(self.engine, [prompts[i].token_ids for i in part], params,
+                                  MultiTurnLimits(mt.max_turns, mt.max_total_tokens), new_env, prompt_indices=part)
 
     def gather(self, results, num_prompts: int, n: int):
         """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica
@@ -309,8 +329,12 @@ class Trainer:
         return gathered
 
     def score(self, prompts, results):
-        """Phase 3: each response scored once on one rank, the scores shared by all ranks."""
-        from megatron_stare.rewards.sharded import score_once
+        """Phase 3: each response scored once on one rank, the scores shared by all ranks. A
+        multi-turn trajectory's score is its environment's reward (identical on every rank)."""
+        from megatron_stare.rewards.sharded import SharedScores, score_once
+
+        if self.cfg.rollout.multi_turn.env:
+            return SharedScores([float(r.env_reward) for r in results], 0, 0)
 
         def item(i: int):
             r = results[i]
@@ -481,7 +505,8 @@ class Trainer:
         return train, ev, sampler
 
     def close(self) -> None:
-        self.preemption.close()
+        if self._owns_preemption:
+            self.preemption.close()
         self.logger.close()
         if self.pool is not None:
             self.pool.close()
@@ -517,8 +542,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         preemption.close()
         return 2
+    stopped = None
     try:
         stopped = Trainer(cfg, preemption).fit()
+        if stopped is not None:
+            # For the launch shell (torchrun exits 1 whatever its workers return). Written
+            # before any rank may exit: torchrun SIGTERMs the other workers as soon as one exits,
+            # so no rank leaves this barrier before every node's local rank 0 has written it.
+            write_status(PREEMPTED_EXIT_CODE)
+            if dist.is_initialized():
+                dist.barrier()
     except ValueError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
         # detected identically on every rank before any collective: one line from rank 0. A
@@ -530,13 +563,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     finally:
-        preemption.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    if stopped is not None:
-        write_status(PREEMPTED_EXIT_CODE)  # for the launch shell: torchrun exits 1 regardless
-        return PREEMPTED_EXIT_CODE
-    return 0
+        # A preempted run keeps its handlers (they only record) until the process ends: the first
+        # rank to exit makes torchrun SIGTERM the others, and one still shutting down must exit
+        # 75 like the rest, not die of that signal.
+        if stopped is None:
+            preemption.close()
+    return PREEMPTED_EXIT_CODE if stopped is not None else 0
 
 
 if __name__ == "__main__":

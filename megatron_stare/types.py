@@ -30,6 +30,9 @@ class Sample:
     """Per response token log-prob reported by the rollout engine (for mismatch metrics / TIS)."""
     finish_reason: str = "stop"
     metadata: Dict = field(default_factory=dict)
+    loss_mask: Optional[List[int]] = None
+    """Per response token: 1 trained on (the model's tokens), 0 not (a multi-turn trajectory's
+    tool / environment tokens, which still go through the forward pass). None: all 1."""
 
     @property
     def num_tokens(self) -> int:

@@ -57,23 +57,24 @@ class PolicyStats:
     mean_length: float
 
 
-def _encode(tok, row: Row) -> tuple:
+def encode_answer(tok, row: Row) -> tuple:
+    """``(token ids, labels)`` of ``prompt + " " + answer + EOS``, labels -100 on the prompt."""
     prompt = tok(row["prompt"])["input_ids"]
     target = tok(" " + row["answer"])["input_ids"] + [tok.eos_token_id]
-    return prompt, target
+    return prompt + target, [-100] * len(prompt) + target
 
 
-def _batch(tok, rows: Sequence[Row]) -> tuple:
-    """Right-padded ``input_ids``/``labels``/``attention_mask`` ``[B, T]``; labels only on the answer."""
-    pairs = [_encode(tok, r) for r in rows]
-    t = max(len(p) + len(a) for p, a in pairs)
+def _batch(tok, rows: Sequence[Row], encode=encode_answer) -> tuple:
+    """Right-padded ``input_ids``/``labels``/``attention_mask`` ``[B, T]``; ``encode(tok, row)``
+    gives each row's ``(token ids, labels)`` (-100 where nothing is trained)."""
+    pairs = [encode(tok, r) for r in rows]
+    t = max(len(seq) for seq, _ in pairs)
     ids = torch.full((len(rows), t), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), t), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, (p, a) in enumerate(pairs):
-        seq = p + a
+    for i, (seq, lab) in enumerate(pairs):
         ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, len(p):len(seq)] = torch.tensor(a)
+        labels[i, :len(seq)] = torch.tensor(lab)
         mask[i, :len(seq)] = 1
     return ids, labels, mask
 
@@ -119,9 +120,13 @@ def measure_policy(model, tok, rows: Sequence[Row], *, seed: int, samples_per_pr
 
 
 def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows: Sequence[Row],
-              settings: SftSettings, *, seed: int, log=print) -> PolicyStats:
+              settings: SftSettings, *, seed: int, log=print, encode=encode_answer, probe=None) -> PolicyStats:
     """Fit ``base_dir``'s model on ``train_rows``, stop at ``settings.stop_accuracy`` on
-    ``probe_rows``, write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats."""
+    ``probe_rows``, write the HF checkpoint (with tokenizer) to ``out_dir``; return its stats.
+
+    ``encode(tok, row) -> (token ids, labels)``: what a row trains (default: the answer after
+    the prompt). ``probe(model, tok, rows, seed) -> PolicyStats``: the sampled accuracy the
+    stop rule reads (default: ``measure_policy``, one single-turn sample per row)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -131,10 +136,13 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     rng = random.Random(seed)
     s = settings
-    stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed, max_new_tokens=s.max_new_tokens)
+    if probe is None:
+        def probe(model, tok, rows, seed):
+            return measure_policy(model, tok, rows, seed=seed, max_new_tokens=s.max_new_tokens)
+    stats = probe(model, tok, probe_rows[:s.probe_prompts], seed)
     t0, step = time.perf_counter(), 0
     while step < s.max_steps and stats.accuracy < s.stop_accuracy:
-        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size))
+        ids, labels, mask = _batch(tok, rng.sample(list(train_rows), s.batch_size), encode)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -142,8 +150,8 @@ def train_sft(base_dir: str, out_dir: str, train_rows: Sequence[Row], probe_rows
         opt.step()
         step += 1
         if step % s.eval_every == 0 or step == s.max_steps:
-            stats = measure_policy(model, tok, probe_rows[:s.probe_prompts], seed=seed + step,
-                                   max_new_tokens=s.max_new_tokens)
+            stats = probe(model, tok, probe_rows[:s.probe_prompts], seed + step)
+            model.train()
             took = time.perf_counter() - t0
             # An upper bound: the run stops earlier once the probe reaches stop_accuracy.
             eta = format_duration(took / step * (s.max_steps - step))

@@ -10,9 +10,12 @@ of at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own;
 ``weight_sync.pack_stream``). A full buffer is one bucket in the project's one bucket format
 (``weight_sync.FlatBucket``): moved to the destination in ONE transfer in the one wire protocol
 (``weight_sync.wire``: sizes, JSON header, the bytes), and yielded as views into that buffer.
-Buffers are reused once the consumer dropped every view of the previous bucket. Peak extra
-memory per rank: one bucket buffer plus the tensor being converted (its TP parts and its HF
-pieces).
+Buffers come from a two-slot ``StagingBuffer`` and are reused once the consumer dropped every
+view of a bucket, so a consumer may keep one bucket in flight (an async send: the weight-sync
+sender, a pipeline stage's ``isend`` to ``dst``) while the next is gathered and packed. Peak
+extra memory per rank: two bucket buffers (one when the consumer drops each bucket before asking
+for the next) plus the tensor being converted (the reused TP gather / concatenation buffers and
+its HF pieces).
 
 Destinations (``dst``):
 - ``"all"``: every rank yields every bucket. Each stage broadcasts its buckets over its pipeline
@@ -35,6 +38,7 @@ received per rank per sync (``--dry-run`` prints it).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple, Union
 
@@ -45,8 +49,9 @@ from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import full_shape, gather_canonical, local_params
 from megatron_stare.parallel import ParallelGroups, group_ranks
-from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, pack_stream,
-                                        recv_bucket, recv_link, send_bucket, send_end, send_link)
+from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,
+                                        recv_bucket, recv_link, send_bucket, send_bucket_async, send_end,
+                                        send_link)
 
 
 @dataclass
@@ -61,6 +66,10 @@ class ExportStats:
     max_tensor_bytes: int = 0
     peak_live_bytes: int = 0
     in_flight: int = 0  # bytes of the tensor being converted right now (and its HF pieces)
+    gather_seconds: float = 0.0  # in the TP all-gathers and unsharding (this stage)
+    convert_seconds: float = 0.0  # HF renaming/splitting and dtype casts
+    pack_seconds: float = 0.0  # copying HF tensors into the flat buffers
+    handoff_seconds: float = 0.0  # receiving other stages' buckets (the PP hand-off, on dst)
 
     def live(self, nbytes: int) -> None:
         self.peak_live_bytes = max(self.peak_live_bytes, nbytes)
@@ -88,8 +97,17 @@ def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional
                    stats: ExportStats) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered one canonical tensor at a time (collective)."""
     mapping = mapping_for(spec)
-    for canon, full in gather_canonical(model, groups.tp_group, groups.layout.tp):
+    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp, reuse=True)
+    while True:
+        t0 = time.perf_counter()
+        item = next(gathered, None)
+        t1 = time.perf_counter()
+        stats.gather_seconds += t1 - t0
+        if item is None:
+            return
+        canon, full = item
         pieces = [(n, t if dtype is None else t.to(dtype)) for n, t in mapping.to_hf(canon, full)]
+        stats.convert_seconds += time.perf_counter() - t1
         yield from _accounted(pieces, full, stats)
 
 
@@ -109,11 +127,31 @@ def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[
         * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1)
         for local, _, p in local_params(model))
     stats.in_flight = 0
-    for bucket in pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
-                              size_bound=bound, on_copy=stats.copied):
+    buckets = pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
+                          size_bound=bound, on_copy=stats.copied, staging=StagingBuffer(groups.device, slots=2))
+    while True:
+        # Time in pack_stream that is not the producer's (gather, convert) is packing.
+        before = stats.gather_seconds + stats.convert_seconds
+        t0 = time.perf_counter()
+        bucket = next(buckets, None)
+        stats.pack_seconds += time.perf_counter() - t0 - (stats.gather_seconds + stats.convert_seconds - before)
+        if bucket is None:
+            return
         stats.packed(bucket)
         yield bucket
         del bucket
+
+
+def _received(link, dev, staging: StagingBuffer, stats: ExportStats) -> Iterator[FlatBucket]:
+    """Another stage's buckets as they arrive over ``link`` (the PP hand-off)."""
+    while True:
+        t0 = time.perf_counter()
+        bucket = recv_bucket(link, dev, staging)
+        stats.handoff_seconds += time.perf_counter() - t0
+        if bucket is None:
+            return
+        yield bucket
+        del bucket  # hold no bucket while the next one arrives
 
 
 def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: int = 512 << 20,
@@ -135,8 +173,8 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
     local = _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats)
 
-    # Received buckets land in one reused buffer (once the consumer let go of the last one).
-    staging = StagingBuffer(dev)
+    # Received buckets land in two reused buffers (one may still be in flight to an engine).
+    staging = StagingBuffer(dev, slots=2)
     if dst == "all":
         for s in range(pp):
             link = group_link(groups.pp_group, dist.get_group_rank(groups.pp_group, pp_ranks[s])) \
@@ -150,9 +188,7 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
                 if link is not None:
                     send_end(link, dev)
             else:
-                while (bucket := recv_bucket(link, dev, staging)) is not None:
-                    yield bucket
-                    del bucket
+                yield from _received(link, dev, staging, stats)
         return
 
     if dst not in group_ranks(groups.mp_group):
@@ -162,15 +198,18 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
             pass
         return
     if me != dst:
+        in_flight = None  # bucket k travels to dst while bucket k+1 is gathered and packed
         for bucket in local:
-            send_bucket(send_link(dst), bucket, dev)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = send_bucket_async(send_link(dst), isend_link(dst), bucket, dev)
             del bucket
+        if in_flight is not None:
+            in_flight.wait()
         send_end(send_link(dst), dev)
         return
     for s in range(pp):
         if s == groups.pp_rank:
             yield from local
         else:
-            while (bucket := recv_bucket(recv_link(pp_ranks[s]), dev, staging)) is not None:
-                yield bucket
-                del bucket
+            yield from _received(recv_link(pp_ranks[s]), dev, staging, stats)

@@ -13,7 +13,7 @@ from the attributes Megatron puts on its parameters:
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,15 +61,17 @@ def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp: 
     return full.chunk(tp, dim=dim)[tp_rank]
 
 
-def unshard(parts: list, param: torch.Tensor, name: str, glu: bool) -> torch.Tensor:
-    """Inverse of ``shard``: the canonical tensor from the TP ranks' shards (in rank order)."""
+def unshard(parts: list, param: torch.Tensor, name: str, glu: bool,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of ``shard``: the canonical tensor from the TP ranks' shards (in rank order),
+    written into ``out`` (the full shape) when given."""
     if len(parts) == 1 or not getattr(param, "tensor_model_parallel", False):
         return parts[0]
     dim = param.partition_dim
     if glu and is_glu_fc1(name):
         gates, ups = zip(*(p.chunk(2, dim=dim) for p in parts))
-        return torch.cat([torch.cat(gates, dim=dim), torch.cat(ups, dim=dim)], dim=dim)
-    return torch.cat(parts, dim=dim)
+        parts = [*gates, *ups]  # cat(cat(gates), cat(ups)) in one pass
+    return torch.cat(parts, dim=dim) if out is None else torch.cat(parts, dim=dim, out=out)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -110,17 +112,48 @@ def load_canonical(model: torch.nn.Module, get_full: Callable[[str, Tuple[int, .
 
 
 @torch.no_grad()
-def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True
+def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True, reuse: bool = False
                      ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (canonical name, canonical tensor) for this stage, gathering TP shards.
 
     Collective over ``tp_group``: every TP rank of the stage must iterate in step. One tensor is
-    gathered at a time, so the extra memory is one canonical tensor.
+    gathered at a time, so the extra memory is one canonical tensor (twice: the gathered shards
+    and their concatenation). ``reuse``: gather into and concatenate into two buffers kept for
+    the whole iteration (no fresh pages per tensor; shards split along dim 0 need no
+    concatenation: the gathered buffer is the tensor), and yield parameters that need no gather
+    without a copy - a yielded tensor is then valid only until the next one is requested (for a
+    consumer that copies it at once, like the streaming export).
     """
+    gathered, joined = _Scratch(), _Scratch()
     for local, canon, p in local_params(model):
         if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            if reuse:
+                flat = gathered.get(p.numel() * tp, p.dtype, p.device)
+                dist.all_gather_into_tensor(flat, p.detach().contiguous().reshape(-1), group=tp_group)
+                if p.partition_dim == 0 and not (glu and is_glu_fc1(local)):
+                    # Rank-major shards split along dim 0 ARE the concatenation: no copy.
+                    yield canon, flat.view(full_shape(p, tp))
+                    continue
+                parts = list(flat.view(tp, *p.shape).unbind(0))
+                full = joined.get(p.numel() * tp, p.dtype, p.device).view(full_shape(p, tp))
+                yield canon, unshard(parts, p, local, glu, out=full)
+                continue
             parts = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
             yield canon, unshard(parts, p, local, glu)
         else:
-            yield canon, p.detach().clone()
+            yield canon, p.detach() if reuse else p.detach().clone()
+
+
+class _Scratch:
+    """One byte buffer grown to the largest request and handed out as typed flat views."""
+
+    def __init__(self):
+        self.buf: Optional[torch.Tensor] = None
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = numel * torch.empty((), dtype=dtype).element_size()
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = None
+            self.buf = torch.empty(n, dtype=torch.uint8, device=device)
+        return self.buf[:n].view(dtype)

@@ -6,6 +6,8 @@
 - ``add``: ``a + b`` with ``digits``-digit operands (default 2).
 - ``sort``: ``length`` digits (default 4) sorted ascending, answered as space-separated digits.
 - ``count``: how many times a digit occurs in a ``length``-digit string (default 8).
+- ``mul``: ``a * b`` with ``digits``- and ``digits2``-digit operands (default 3 and 2): the
+  tool-use task (``demo/tool_use.py``), which a tiny model cannot do in its head.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def _count(rng: random.Random, length: int = 8) -> Row:
     s = "".join(str(rng.randint(0, 9)) for _ in range(length))
     d = rng.choice(s)
     return {"prompt": f"How many times does {d} occur in {s}? Answer:", "answer": str(s.count(d))}
+
+
+@register_task("mul")
+def _mul(rng: random.Random, digits: int = 3, digits2: int = 2) -> Row:
+    a, b = rng.randint(10 ** (digits - 1), 10 ** digits - 1), rng.randint(10 ** (digits2 - 1), 10 ** digits2 - 1)
+    return {"prompt": f"What is {a} * {b}? Answer:", "answer": str(a * b)}
 
 
 def make_task(name: str, n: int, seed: int, **kwargs) -> List[Row]:

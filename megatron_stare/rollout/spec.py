@@ -164,7 +164,8 @@ class EngineSpec:
     gpu_memory_utilization: float
     """Fraction of each GPU the engine may take (vLLM's budget, SGLang's ``mem_fraction_static``)."""
     context_length: int
-    """Longest sequence: ``data.max_prompt_length + rollout.max_new_tokens``."""
+    """Longest sequence: ``data.max_prompt_length + rollout.max_response_tokens`` (multi-turn:
+    each turn is generated on the whole trajectory so far, up to ``max_total_tokens``)."""
     seed: int
     devices: EngineDevices
     server_urls: Tuple[str, ...]
@@ -201,7 +202,7 @@ class EngineSpec:
         return cls(
             engine=r.engine, model_path=str(cfg.model.path), tp=r.tp, dtype=cfg.model.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            context_length=cfg.data.max_prompt_length + r.max_new_tokens, seed=cfg.trainer.seed,
+            context_length=cfg.data.max_prompt_length + r.max_response_tokens, seed=cfg.trainer.seed,
             devices=_devices(r.engine, r.tp, tuple(r.server_urls), world),
             server_urls=tuple(r.server_urls),
             sampling=SamplingDefaults(n=r.n, temperature=r.temperature, top_p=r.top_p,

@@ -200,26 +200,41 @@ def copy_into(buffer: Tensor, offset: int, t: Tensor) -> None:
 
 
 class StagingBuffer:
-    """A ``uint8`` buffer handed out again and again while nobody else holds a view of it.
+    """``uint8`` buffers handed out again and again while nobody else holds a view of them.
 
-    ``get(n)`` returns ``n`` bytes: a slice of the previous buffer when it is large enough and
+    ``get(n)`` returns ``n`` bytes: a slice of a held buffer that is large enough and of which
     every view handed out earlier is gone (fresh pages cost ~1.7x in page faults on CPU);
-    otherwise it drops its own reference FIRST (the old buffer then dies with the consumer's
-    last view) and allocates exactly ``n``. Peak: one buffer, plus any a consumer still holds.
+    otherwise, once ``slots`` buffers are held, it drops its own reference to one FIRST (a free
+    one, else the oldest: that one then dies with its consumer's last view) and allocates
+    exactly ``n``. ``slots=2`` lets a consumer keep one bucket in flight (an async send) while
+    the next is filled, without a fresh allocation per bucket. Peak: ``slots`` buffers, plus any
+    a consumer still holds.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._buf: Optional[Tensor] = None
+    def __init__(self, device: torch.device, slots: int = 1):
+        if slots < 1:
+            raise ValueError(f"a StagingBuffer needs at least one slot, got {slots}")
+        self.device, self.slots = device, slots
+        self._bufs: List[Tensor] = []
+        self.allocations = 0  # buffers allocated over this object's life (tests, benchmarks)
 
     def get(self, n: int) -> Tensor:
-        if self._buf is None or self._buf.numel() < n or not _sole_owner(self._buf):
-            self._buf = None
-            self._buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-        return self._buf[:n]
+        free = [i for i, b in enumerate(self._bufs) if _sole_owner(b)]
+        for i in free:
+            if self._bufs[i].numel() >= n:
+                return self._bufs[i][:n]
+        if len(self._bufs) >= self.slots:
+            del self._bufs[free[0] if free else 0]
+        self.allocations += 1
+        self._bufs.append(torch.empty(n, dtype=torch.uint8, device=self.device))
+        return self._bufs[-1][:n]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(int(b.numel()) for b in self._bufs)
 
     def release(self) -> None:
-        self._buf = None
+        self._bufs = []
 
 
 def _sole_owner(t: Tensor) -> bool:
@@ -269,19 +284,22 @@ def iter_flat_buckets(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes:
 
 
 def pack_stream(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int, device: torch.device, *,
-                size_bound: Optional[int] = None,
+                size_bound: Optional[int] = None, staging: Optional[StagingBuffer] = None,
                 on_copy: Optional[Callable[[int, int], None]] = None) -> Iterator[FlatBucket]:
     """Copy a stream tensor by tensor into flat buckets of at most ``max(bucket_bytes, largest
     tensor)`` bytes, buffers from one ``StagingBuffer`` (reused when the consumer let go).
 
     ``size_bound``: an upper bound of the stream's aligned bytes, so a small model never
     allocates a full ``bucket_bytes`` buffer. ``on_copy(tensor bytes, buffer bytes)`` is called
-    after each copy (for memory accounting).
+    after each copy (for memory accounting). ``staging``: where buffers come from (default: a
+    one-slot ``StagingBuffer``; two slots for a consumer that sends a bucket while the next is
+    packed).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    remaining = size_bound if size_bound is not None else bucket_bytes
-    staging = StagingBuffer(device)
+    # Without a bound, every buffer is a full bucket (not: the first one eats the budget).
+    remaining = size_bound if size_bound is not None else float("inf")
+    staging = staging if staging is not None else StagingBuffer(device)
     flat, metas, used = None, [], 0
     for name, t in named_tensors:
         n = nbytes_of(t)
@@ -291,13 +309,14 @@ def pack_stream(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int, 
             yield bucket
             del bucket  # hold no view while the next buffer is requested
         if flat is None:
-            flat = staging.get(max(min(bucket_bytes, remaining), n))
+            flat = staging.get(int(max(min(bucket_bytes, remaining), n)))
         copy_into(flat, used, t)
         metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), used, n))
         remaining -= aligned(n)
         used = min(aligned(used + n), flat.numel())
         if on_copy is not None:
             on_copy(n, flat.numel())
+        del t  # not held while the producer makes the next tensor
     if metas:
         bucket = FlatBucket(metas, flat[:used])
         flat = None

@@ -51,6 +51,8 @@ class SyncStats:
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Part of ``seconds`` spent copying tensors into flat buffers (sender only)."""
+    send_seconds: float = 0.0
+    """Part of ``seconds`` spent in (waiting for) the broadcasts (sender only)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -80,27 +82,47 @@ class ProcessGroupSender:
 
     def send_buckets(self, buckets: Iterable) -> SyncStats:
         """Send ready-made buckets, then the end marker. A bucket is a ``FlatBucket`` (e.g. the
-        Megatron export's: sent as is, no copy) or a list of ``(name, tensor)`` (packed here,
-        after the previous bucket is released)."""
+        Megatron export's: sent as is, no copy) or a list of ``(name, tensor)`` (packed here).
+        Each bucket's data broadcast is left in flight while the next bucket is pulled from
+        ``buckets`` (the producer packs it); it is waited before the next one is sent (or packed
+        here), so a producer with a two-slot ``StagingBuffer`` reuses its two buffers and never
+        holds a third."""
         stats = SyncStats()
         link = wire.group_link(self.group, self.root)
+        data_link = wire.group_link_async(self.group, self.root)
+        in_flight: Optional[wire.Pending] = None
         t0 = time.perf_counter()
         try:
+            # Bucket k's data is in flight while the loop pulls (the producer packs) bucket k+1:
+            # at most two buckets alive, the one moving and the one being filled. A list bucket
+            # packed HERE waits first, so the sender's own memory stays one bucket.
             for bucket in buckets:
                 metas, nbytes, materialize = self._plan(bucket)
-                wire.send_header(link, metas, nbytes, self.device)
+                if in_flight is not None and not isinstance(bucket, FlatBucket):
+                    in_flight.wait()
                 tp = time.perf_counter()
-                buffer = materialize()  # the previous bucket is gone: peak is one bucket
-                stats.pack_seconds += time.perf_counter() - tp
-                wire.send_data(link, buffer, self.device)
+                buffer = materialize()
+                ts = time.perf_counter()
+                stats.pack_seconds += ts - tp
+                if in_flight is not None:
+                    in_flight.wait()  # bucket k's buffer is free for bucket k+2
+                in_flight = wire.send_bucket_async(link, data_link, FlatBucket(metas, buffer), self.device)
+                stats.send_seconds += time.perf_counter() - ts
                 stats.num_buckets += 1
                 stats.num_tensors += len(metas)
                 stats.bytes += sum(m.nbytes for m in metas)
                 del bucket, buffer, materialize
+            ts = time.perf_counter()
+            if in_flight is not None:
+                in_flight.wait()
+                in_flight = None
+            stats.send_seconds += time.perf_counter() - ts
         except BaseException:
             # Receivers block waiting for the next header: end their stream so they return
             # (with a partial update the caller must redo) instead of hanging until timeout.
             try:
+                if in_flight is not None:
+                    in_flight.wait()
                 wire.send_end(link, self.device)
             except Exception:  # noqa: BLE001 - the group itself may be what failed
                 pass

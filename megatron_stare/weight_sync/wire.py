@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .bucket import FlatBucket, StagingBuffer, TensorMeta, decode_header, encode_header
 
-__all__ = ["Link", "broadcast", "default_device", "group_link", "recv_bucket", "recv_link", "send_bucket",
+__all__ = ["AsyncLink", "Link", "Pending", "broadcast", "broadcast_async", "group_link_async", "isend_link", "send_bucket_async", "default_device", "group_link", "recv_bucket", "recv_link", "send_bucket",
            "send_data", "send_each", "send_end", "send_header", "send_link"]
 
 Link = Callable[[Tensor], None]
@@ -50,6 +50,49 @@ def broadcast(tensor: Tensor, root: int, group: dist.ProcessGroup) -> None:
         deadline = time.monotonic() + 0.5
         while tensor._use_count() > base and time.monotonic() < deadline:
             time.sleep(0)
+
+
+class Pending:
+    """A transfer issued without waiting (``async_op``): the tensor must stay untouched until
+    ``wait()``, which blocks until the work is done AND the backend dropped its reference to the
+    tensor (as ``broadcast`` does), so the caller's ``del`` then frees or recycles it at once."""
+
+    def __init__(self, tensor: Tensor, issue: Callable[[Tensor], Optional[object]]):
+        """``issue(tensor)`` starts the transfer and returns its work handle (``None``: the
+        transfer already completed)."""
+        self._base = tensor._use_count()
+        self.tensor: Optional[Tensor] = tensor
+        self._work = issue(tensor)
+
+    def wait(self) -> None:
+        if self.tensor is None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._work = None  # the work object holds the tensor too: drop it before counting
+        if self.tensor.device.type == "cpu":
+            deadline = time.monotonic() + 0.5
+            while self.tensor._use_count() > self._base and time.monotonic() < deadline:
+                time.sleep(0)
+        self.tensor = None
+
+
+AsyncLink = Callable[[Tensor], Pending]
+"""Starts moving one tensor and returns at once; the ``Pending`` is waited before reuse."""
+
+
+def broadcast_async(tensor: Tensor, root: int, group: dist.ProcessGroup) -> Pending:
+    """``broadcast`` without the wait: it runs on the backend's thread until ``wait()``."""
+    return Pending(tensor, lambda x: group.broadcast(x, root))
+
+
+def group_link_async(group: dist.ProcessGroup, root: int) -> AsyncLink:
+    """``group_link`` without the wait (the same broadcast, left in flight)."""
+    return lambda t: broadcast_async(t, root, group)
+
+
+def isend_link(dst: int) -> AsyncLink:
+    return lambda t: Pending(t, lambda x: dist.isend(x, dst=dst))
 
 
 def group_link(group: dist.ProcessGroup, root: int) -> Link:
@@ -89,6 +132,14 @@ def send_data(link: Link, buffer: Tensor, device: torch.device) -> None:
 def send_bucket(link: Link, bucket: FlatBucket, device: torch.device) -> None:
     send_header(link, bucket.metas, bucket.nbytes, device)
     send_data(link, bucket.buffer, device)
+
+
+def send_bucket_async(link: Link, data_link: AsyncLink, bucket: FlatBucket, device: torch.device) -> Pending:
+    """``send_bucket`` whose data transfer is left in flight: the small sizes/header go over
+    ``link`` (blocking), the buffer over ``data_link``; wait the result before the buffer is
+    reused. The receiver cannot tell the two apart (same transfers, same order)."""
+    send_header(link, bucket.metas, bucket.nbytes, device)
+    return data_link(bucket.buffer.to(device))
 
 
 def send_each(link: Link, tensors: Iterable[Tensor], device: torch.device) -> None:

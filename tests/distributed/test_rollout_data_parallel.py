@@ -47,7 +47,7 @@ def _rollout(rank, world, model_dir):
         return real_generate(prompts, params, prompt_indices)
 
     engine.generate = spy
-    tr = SimpleNamespace(engine_spec=spec, engine=engine)  # the trainer's phase methods, as they are
+    tr = SimpleNamespace(cfg=cfg, engine_spec=spec, engine=engine)  # the trainer's phase methods, as they are
     prompts = [SimpleNamespace(token_ids=p) for p in PROMPTS]
 
     def run(ps, params):

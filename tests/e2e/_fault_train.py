@@ -13,6 +13,10 @@ rank it strikes (default: every rank). Kinds:
 - ``sigterm`` / ``sigusr1``: the rank sends itself the signal mid-step (after the rollout, as
   the update starts); the step goes on, and the run must stop at the step boundary.
 
+``--linger RANK:SECONDS`` makes that rank wait before its process exits, after ``train.main``
+returned: a slow shutdown (an engine's teardown), so that the other ranks exit first and
+torchrun SIGTERMs this one while it is still alive.
+
 The production trainer knows nothing of this: the fault is a ``Trainer`` subclass, swapped in
 before ``train.main`` runs.
 """
@@ -85,10 +89,16 @@ class FaultyTrainer(train.Trainer):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--fault", required=True)
+    ap.add_argument("--linger", default=None, help="RANK:SECONDS")
     args, rest = ap.parse_known_args(argv)
     FaultyTrainer.fault = parse_fault(args.fault)
     train.Trainer = FaultyTrainer
-    return train.main(rest)
+    code = train.main(rest)
+    if args.linger:
+        rank, seconds = args.linger.split(":")
+        if os.environ.get("RANK") == rank:
+            time.sleep(float(seconds))  # a signal handler that returns does not cut it short (PEP 475)
+    return code
 
 
 if __name__ == "__main__":

@@ -182,3 +182,12 @@ def test_stop_token_ends_with_stop_reason(setup):
     first = ref_a[1][0].index(stop_tok)
     assert res[0].token_ids == ref_a[1][0][:first + 1]
     assert res[0].finish_reason == "stop"
+
+
+def test_multiturn_greedy_matches_hf(setup):
+    """Multi-turn on token ids through vLLM's TokensPrompt API: identical greedy trajectories."""
+    from .test_multiturn import assert_multiturn_matches_hf
+
+    eng, a, *_ = setup
+    eng.update_weights(stream_state_dict(a))  # whatever the earlier tests left: model A
+    assert_multiturn_matches_hf(eng, a, atol=LOGPROB_ATOL)

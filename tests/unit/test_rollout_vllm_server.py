@@ -139,6 +139,16 @@ def _running_requests(base_url: str) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
 
 
+def test_multiturn_greedy_matches_hf(server):
+    """Multi-turn through the server's token-id API: identical greedy trajectories (before the
+    test that kills the server)."""
+    from .test_multiturn import assert_multiturn_matches_hf
+
+    eng, a, *_ = server
+    eng.update_weights(stream_state_dict(a))  # whatever the earlier tests left: model A
+    assert_multiturn_matches_hf(eng, a, atol=LOGPROB_ATOL)
+
+
 def test_server_killed_mid_rollout_names_itself(server):
     """Last in this module: it kills the module's server (process group, SIGKILL) while requests
     are running. The rollout fails at once with one line naming the server (pid, URL, exit code,
@@ -178,3 +188,4 @@ def test_server_killed_mid_rollout_names_itself(server):
     assert tail.strip() and tail.strip().splitlines()[-1] in eng.log_tail()
     with pytest.raises(EngineFailure, match=rf"pid {pid}.*died with exit code -9 during /v1/completions"):
         eng.generate(PROMPTS[:1], GREEDY)
+

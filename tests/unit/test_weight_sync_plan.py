@@ -121,8 +121,10 @@ def test_process_group_wire_format_round_trip_and_buffer_reuse():
     import megatron_stare.weight_sync.wire as tr
 
     sent = []
-    orig = tr.broadcast
+    orig, orig_async = tr.broadcast, tr.broadcast_async
     tr.broadcast = lambda tensor, root, group: sent.append(tensor.clone())
+    # the sender leaves data broadcasts in flight: record them too (None: already complete)
+    tr.broadcast_async = lambda tensor, root, group: tr.Pending(tensor, lambda t: sent.append(t.clone()))
     try:
         stats = ProcessGroupSender(object(), 0, device=torch.device("cpu")).send(iter(_tensors()), 1024)
         replay = iter(sent)
@@ -134,7 +136,7 @@ def test_process_group_wire_format_round_trip_and_buffer_reuse():
             storages.add(t.untyped_storage().data_ptr())
             del t
     finally:
-        tr.broadcast = orig
+        tr.broadcast, tr.broadcast_async = orig, orig_async
     for n, t in _tensors():
         assert torch.equal(got[n], t) and got[n].dtype == t.dtype
     assert recv.stats.num_buckets == stats.num_buckets and recv.stats.bytes == stats.bytes
@@ -147,8 +149,10 @@ def _record_and_replay(send):
     import megatron_stare.weight_sync.wire as tr
 
     sent = []
-    orig = tr.broadcast
+    orig, orig_async = tr.broadcast, tr.broadcast_async
     tr.broadcast = lambda tensor, root, group: sent.append(tensor.clone())
+    # the sender leaves data broadcasts in flight: record them too (None: already complete)
+    tr.broadcast_async = lambda tensor, root, group: tr.Pending(tensor, lambda t: sent.append(t.clone()))
     try:
         try:
             send(ProcessGroupSender(object(), 0, device=torch.device("cpu")))
@@ -159,7 +163,7 @@ def _record_and_replay(send):
         recv = ProcessGroupReceiver(object(), 0, device=torch.device("cpu"))
         return {n: t.clone() for n, t in recv.receive()}, recv.stats
     finally:
-        tr.broadcast = orig
+        tr.broadcast, tr.broadcast_async = orig, orig_async
 
 
 def test_ready_flat_buckets_are_sent_without_repacking():

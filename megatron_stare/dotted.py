@@ -1,0 +1,43 @@
+"""``resolve``: a registered object by name, or a user's object by dotted path - the one lookup
+behind ``reward.fn`` (``rewards/lookup.py``) and ``rollout.multi_turn.env`` (``envs/base.py``).
+
+``'pkg.mod:attr'`` imports ``pkg.mod`` and takes ``attr`` (which may itself be dotted);
+``'pkg.mod.attr'`` splits at the last dot. Every problem is one line of ``error``, naming the
+config field, e.g. ``reward.fn: cannot import 'foo.bar:baz' (No module named 'foo')``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping, Type
+
+
+def resolve(spec: str, registry: Mapping[str, Any], *, field: str, noun: str, kind: str,
+            error: Type[Exception]) -> Any:
+    """``registry[spec]``, or the callable at dotted path ``spec``; raises ``error`` (one line)
+    when the module cannot be imported, lacks the attribute, or it is not callable. ``noun``
+    names what the registry holds (``reward``), ``kind`` what a path names (``function``)."""
+    if spec in registry:
+        return registry[spec]
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr = spec.rpartition(".")
+    else:
+        raise error(f"{field}: unknown {noun} {spec!r}; registered: {', '.join(sorted(registry))}; "
+                    f"or give a {kind} as 'pkg.module:{kind}'")
+    if not module_name or not attr:
+        raise error(f"{field}: {spec!r} is not of the form 'pkg.module:{kind}'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # any failure while importing user code is the user's to fix
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise error(f"{field}: cannot import {spec!r} ({msg})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise error(f"{field}: cannot import {spec!r} "
+                        f"({getattr(obj, '__name__', type(obj).__name__)!s} has no attribute {part!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise error(f"{field}: {spec!r} is not callable (it is a {type(obj).__name__})")
+    return obj

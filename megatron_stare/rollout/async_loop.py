@@ -63,7 +63,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps"]
 
@@ -71,12 +71,14 @@ __all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in
 @dataclass(frozen=True)
 class Span:
     """One timed piece of work of ``step``: ``kind`` ("generate", "train") from ``start`` to
-    ``end`` (``time.perf_counter`` seconds)."""
+    ``end`` (``time.perf_counter`` seconds); ``version``: the policy version a generation ran
+    under."""
 
     step: int
     kind: str
     start: float
     end: float
+    version: Optional[int] = None
 
 
 def overlaps(a: Span, b: Span) -> bool:
@@ -87,34 +89,56 @@ def overlaps(a: Span, b: Span) -> bool:
 @dataclass
 class Launched:
     """One generation batch in flight (or done): ``draw`` is what ``launch`` drew for it on the
-    main thread (prompts, sampling params: opaque here), ``version`` the policy version of the
-    weights it is generated under, ``results`` the engine's output once done."""
+    main thread (prompts, sampling params: opaque here), ``version`` the policy version it was
+    launched under (its oldest tokens'), ``results`` the engine's output once ``finished``.
+
+    A batch is generated in rounds, one per policy version it lives through (a whole batch is one
+    round; partial rollouts make several): ``work`` is the caller's state between rounds,
+    ``spans`` one per round. ``done`` is set while no round is queued or running."""
 
     step: int
     version: int
     draw: Any
     results: Any = None
+    finished: bool = False
+    work: Any = None
     error: Optional[BaseException] = None
-    span: Optional[Span] = None
+    spans: List[Span] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.done.set()
+
+    @property
+    def span(self) -> Optional[Span]:
+        """The latest round's span."""
+        return self.spans[-1] if self.spans else None
 
 
 class RolloutPipeline:
     """Keeps up to ``staleness`` generation batches ahead of the step being trained.
 
     ``draw(step)``: on the main thread, the batch's prompts and sampling params (advances the
-    prompt sampler: called in step order). ``generate(draw)``: the engine call, run in the
-    worker thread when ahead (must not call collectives). With ``staleness == 0`` nothing runs
-    ahead: ``take`` draws and generates inline.
+    prompt sampler: called in step order). ``generate(draw)``: the engine call for a whole
+    batch, run in the worker thread when ahead (must not call collectives). Or, for batches
+    generated over several versions (partial rollouts), ``advance(job, version)``: one round of
+    ``job`` under ``version`` (setting ``job.results`` at the end), True once it is finished. A
+    batch in flight gets one round per version it lives through; ``take`` runs the rest of it
+    inline under the current version. With ``staleness == 0`` nothing runs ahead: ``take``
+    draws and generates inline.
     """
 
-    def __init__(self, staleness: int, draw: Callable[[int], Any], generate: Callable[[Any], Any]):
+    def __init__(self, staleness: int, draw: Callable[[int], Any], generate: Optional[Callable[[Any], Any]] = None,
+                 advance: Optional[Callable[[Launched, int], bool]] = None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if (generate is None) == (advance is None):
+            raise ValueError("RolloutPipeline takes one of generate (whole batches) or advance (rounds)")
         self.staleness = staleness
-        self._draw, self._generate = draw, generate
+        self._draw = draw
+        self._advance = advance if advance is not None else self._whole(generate)
         self.pending: Dict[int, Launched] = {}
-        self._queue: List[Launched] = []
+        self._queue: List[Tuple[Launched, int]] = []
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -126,9 +150,10 @@ class RolloutPipeline:
         job = self.pending.pop(step, None)
         if job is None:
             job = Launched(step, version, self._draw(step))
-            self._run(job)
         else:
             self._wait(job)
+        while job.error is None and not job.finished:  # inline, under the current version
+            self._run(job, version)
         if job.error is not None:
             raise job.error
         if version - job.version > self.staleness:
@@ -138,16 +163,21 @@ class RolloutPipeline:
 
     def launch_ahead(self, step: int, version: int, end: Optional[int] = None) -> None:
         """Launch, under ``version``, the batches of steps ``step + 1 .. step + staleness`` (below
-        ``end``, the run's step count, when given) not launched yet; ``step`` is about to train."""
+        ``end``, the run's step count, when given) not launched yet, after giving each unfinished
+        batch in flight its round under ``version``; ``step`` is about to train."""
+        for s in sorted(self.pending):
+            job = self.pending[s]
+            if not job.finished and job.error is None and (job.span is None or job.span.version != version):
+                self._submit(job, version)
         stop = step + self.staleness + 1 if end is None else min(step + self.staleness + 1, end)
         for s in range(step + 1, stop):
             if s not in self.pending:
                 job = Launched(s, version, self._draw(s))
                 self.pending[s] = job
-                self._submit(job)
+                self._submit(job, version)
 
     def drain(self) -> None:
-        """Wait for every launched generation (before a weight push or a checkpoint)."""
+        """Wait for every launched round (before a weight push or a checkpoint)."""
         for job in list(self.pending.values()):
             self._wait(job)
 
@@ -159,18 +189,26 @@ class RolloutPipeline:
             self._thread.join()
 
     # ------------------------------------------------------------------ worker
-    def _run(self, job: Launched) -> None:
+    @staticmethod
+    def _whole(generate: Callable[[Any], Any]) -> Callable[[Launched, int], bool]:
+        def advance(job: Launched, version: int) -> bool:
+            job.results = generate(job.draw)
+            return True
+        return advance
+
+    def _run(self, job: Launched, version: int) -> None:
         t0 = time.perf_counter()
         try:
-            job.results = self._generate(job.draw)
+            job.finished = bool(self._advance(job, version))
         except BaseException as e:  # handed to the main thread by take()
             job.error = e
-        job.span = Span(job.step, "generate", t0, time.perf_counter())
+        job.spans.append(Span(job.step, "generate", t0, time.perf_counter(), version))
         job.done.set()
 
-    def _submit(self, job: Launched) -> None:
+    def _submit(self, job: Launched, version: int) -> None:
         with self._cv:
-            self._queue.append(job)
+            job.done.clear()
+            self._queue.append((job, version))
             self._cv.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="stare-rollout", daemon=True)
@@ -184,8 +222,8 @@ class RolloutPipeline:
                     self._cv.wait()
                 if not self._queue:
                     return
-                job = self._queue.pop(0)
-            self._run(job)
+                job, version = self._queue.pop(0)
+            self._run(job, version)
 
     @staticmethod
     def _wait(job: Launched) -> None:
@@ -199,7 +237,8 @@ class RolloutPipeline:
         return [self.pending[s] for s in sorted(self.pending)]
 
     def restore(self, job: Launched) -> None:
-        """Put back a finished batch from a checkpoint (its ``results`` already set)."""
+        """Put back a batch from a checkpoint (finished with its ``results``, or its ``work`` at
+        a round's end: it continues at the next ``launch_ahead`` or ``take``)."""
         if job.step in self.pending:
             raise ValueError(f"step {job.step}'s batch is in flight already")
         job.done.set()
@@ -209,7 +248,7 @@ class RolloutPipeline:
         """What a step logs (identical on every rank but the ``timeline/*``, each rank's own
         clock, in seconds since ``t0``): its batch's staleness, the batches in flight, and the
         spans of its training and of the generation launched during it."""
-        ahead = [j.span for j in self.pending.values() if j.version == step and j.span is not None]
+        ahead = [s for j in self.pending.values() for s in j.spans if s.version == step]
         out = {"async/staleness": step - job.version, "async/in_flight": len(self.pending),
                "timeline/train_start": train.start - t0, "timeline/train_end": train.end - t0}
         if ahead:
@@ -219,20 +258,23 @@ class RolloutPipeline:
 
 
 def encode_in_flight(jobs: List[Launched]) -> List[dict]:
-    """Finished batches as JSON-able dicts: step, version, the prompt indices of the draw
-    (``draw[0]``) and the results (tokens, float32 behaviour log-probs - exact through JSON -,
-    finish reasons; None on a rank that does not generate)."""
-    return [{"step": j.step, "version": j.version, "indices": [int(i) for i in j.draw[0]],
+    """Batches in flight at a round's end as JSON-able dicts: step, version, the prompt indices
+    of the draw (``draw[0]``), whether it is finished, its results (tokens, float32 behaviour
+    log-probs - exact through JSON -, finish reasons, per-token versions; None on a rank that
+    does not generate) and, unfinished, its ``work.state_dict()`` (partial rollouts)."""
+    return [{"step": j.step, "version": j.version, "indices": [int(i) for i in j.draw[0]], "finished": j.finished,
              "results": None if j.results is None else
-             [[r.prompt_index, r.sample_index, list(r.token_ids), r.logprobs.tolist(), r.finish_reason]
-              for r in j.results]} for j in jobs]
+             [[r.prompt_index, r.sample_index, list(r.token_ids), r.logprobs.tolist(), r.finish_reason, r.versions]
+              for r in j.results],
+             "work": None if j.finished or j.work is None else j.work.state_dict()} for j in jobs]
 
 
-def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], keep_results: bool
-                     ) -> List[Launched]:
-    """``encode_in_flight``'s batches back, finished: ``draw(step, indices)`` rebuilds each draw
-    (without advancing the sampler); ``keep_results`` False drops the results (a rank that does
-    not generate holds None, as in the uninterrupted run)."""
+def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], keep_results: bool,
+                     work: Optional[Callable[[Launched, dict], Any]] = None) -> List[Launched]:
+    """``encode_in_flight``'s batches back: ``draw(step, indices)`` rebuilds each draw (without
+    advancing the sampler); ``work(job, state)`` an unfinished batch's work. ``keep_results``
+    False drops results and work (a rank that does not generate holds none, as in the
+    uninterrupted run)."""
     import torch
 
     from .base import GenerationResult
@@ -240,7 +282,14 @@ def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], k
     out = []
     for b in saved:
         res = None if b["results"] is None or not keep_results else [
-            GenerationResult(p, i, list(t), torch.tensor(lp, dtype=torch.float32), f)
-            for p, i, t, lp, f in b["results"]]
-        out.append(Launched(int(b["step"]), int(b["version"]), draw(int(b["step"]), b["indices"]), res))
+            GenerationResult(p, i, list(t), torch.tensor(lp, dtype=torch.float32), f, *rest)
+            for p, i, t, lp, f, *rest in b["results"]]
+        job = Launched(int(b["step"]), int(b["version"]), draw(int(b["step"]), b["indices"]), res,
+                       finished=bool(b.get("finished", True)))
+        if keep_results and not job.finished and b.get("work") is not None:
+            if work is None:
+                raise ValueError(f"step {job.step}'s batch in flight is a partial rollout; resume with the same "
+                                 f"trainer.partial_rollout_tokens")
+            job.work = work(job, b["work"])
+        out.append(job)
     return out

@@ -18,6 +18,8 @@ import torch
 
 from megatron_stare.actor.tis import ratio_band_mask, tis_weight
 from megatron_stare.rollout.async_loop import RolloutPipeline, Span, overlaps
+from megatron_stare.rollout.base import SamplingParams
+from megatron_stare.rollout.partial import SegmentedBatch
 
 
 class _Recorder:
@@ -75,6 +77,38 @@ def test_pipeline_runs_k_ahead_and_bounds_staleness(k):
     for train, ahead in trains[:5 - k]:
         assert ahead and any(overlaps(train, g) for g in ahead)
     assert all(ahead == [] for _, ahead in trains[5 - k:])  # the last k steps launch nothing new
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_partial_batches_get_one_round_per_version_then_finish_inline(k):
+    """``advance`` rounds (partial rollouts): a batch needing 4 rounds gets one in the worker per
+    version it lives through ahead (k of them: versions s - k .. s - 1), then the rest inline
+    under the version that takes it; rounds are drained before each push."""
+    main, rounds = threading.get_ident(), []
+
+    def advance(job, version):
+        rounds.append((job.step, version, threading.get_ident() == main))
+        job.work = (job.work or 0) + 1
+        if job.work == 4:
+            job.results = f"batch{job.step}"
+        return job.work == 4
+
+    pipe = RolloutPipeline(k, lambda s: s, advance=advance)
+    steps, version = 5, 0
+    try:
+        for step in range(steps):
+            job = pipe.take(step, version)
+            assert job.results == f"batch{step}" and version - job.version <= k
+            pipe.launch_ahead(step, version, end=steps)
+            pipe.drain()
+            version = step + 1
+    finally:
+        pipe.close()
+    for s in range(k, steps):
+        mine = [(v, inline) for st, v, inline in rounds if st == s]
+        assert mine == [(v, False) for v in range(s - k, s)] + [(s, True)] * (4 - k), (s, mine)
+    with pytest.raises(ValueError, match="one of generate"):
+        RolloutPipeline(1, lambda s: s)
 
 
 def test_overlap_check_fails_for_a_serial_schedule():
@@ -146,13 +180,29 @@ def test_in_flight_batches_round_trip_exactly_through_json():
     g = torch.Generator().manual_seed(0)
     res = [GenerationResult(p, i, [5, 6, 7], torch.randn(3, generator=g, dtype=torch.float32) - 3, "length")
            for p in (3, 9) for i in range(2)]
-    jobs = [Launched(4, 3, ([3, 9], "prompts", "params"), res), Launched(5, 3, ([1, 2], "p", "q"), None)]
+    res[1].versions = [2, 2, 3]  # a partial rollout's response spans two versions
+    partial = SegmentedBatch([[1, 2]], [7], SamplingParams(max_new_tokens=8), 2)
+    partial.load_state_dict({"segments": 1, "responses": [[7, 0, [4, 4], [-1.25, -0.5], [4, 4], None]]})
+    jobs = [Launched(4, 3, ([3, 9], "prompts", "params"), res, finished=True),
+            Launched(5, 3, ([1, 2], "p", "q"), None, finished=True),
+            Launched(6, 4, ([7], "p", "q"), None, work=partial)]
     saved = json.loads(json.dumps(encode_in_flight(jobs)))
     draws = []
-    back = decode_in_flight(saved, lambda step, idx: draws.append((step, idx)) or (idx, step), keep_results=True)
-    assert draws == [(4, [3, 9]), (5, [1, 2])]
-    assert [(j.step, j.version, j.draw, j.results is None) for j in back] == [(4, 3, ([3, 9], 4), False),
-                                                                          (5, 3, ([1, 2], 5), True)]
+
+    def work(job, state):
+        w = SegmentedBatch([[1, 2]], job.draw[0], SamplingParams(max_new_tokens=8), 2)
+        w.load_state_dict(state)
+        return w
+
+    back = decode_in_flight(saved, lambda step, idx: draws.append((step, idx)) or (idx, step), keep_results=True,
+                            work=work)
+    assert draws == [(4, [3, 9]), (5, [1, 2]), (6, [7])]
+    assert [(j.step, j.version, j.draw, j.results is None, j.finished) for j in back] == [
+        (4, 3, ([3, 9], 4), False, True), (5, 3, ([1, 2], 5), True, True), (6, 4, ([7], 6), True, False)]
+    assert back[2].work.state_dict() == partial.state_dict() and back[0].results[1].versions == [2, 2, 3]
+    with pytest.raises(ValueError, match="partial rollout"):
+        decode_in_flight(saved, lambda step, idx: idx, keep_results=True)
+    assert back[2].work is not None and decode_in_flight(saved, lambda s, i: i, keep_results=False)[2].work is None
     for a, b in zip(res, back[0].results):
         assert (a.prompt_index, a.sample_index, a.token_ids, a.finish_reason) == \
             (b.prompt_index, b.sample_index, b.token_ids, b.finish_reason)

@@ -197,6 +197,13 @@ def _check_staleness(cfg: Config) -> None:
     """Asynchronous training (``rollout/async_loop.py``) needs an engine that generates in its own
     process while the trainer trains, and one generation batch per step."""
     t, r = cfg.trainer, cfg.rollout
+    _require(not t.partial_rollout_tokens or t.staleness > 0,
+             f"trainer.partial_rollout_tokens={t.partial_rollout_tokens} needs trainer.staleness >= 1 (a "
+             f"synchronous step has no weight update during generation); set one of them")
+    _require(not t.partial_rollout_tokens or not r.multi_turn.env,
+             f"trainer.partial_rollout_tokens={t.partial_rollout_tokens} with rollout.multi_turn.env="
+             f"{r.multi_turn.env}: partial rollouts cut single-turn responses only; set "
+             f"trainer.partial_rollout_tokens=0")
     if t.staleness == 0:
         return
     _require(ENGINE_TRAITS[r.engine].server,

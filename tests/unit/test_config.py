@@ -82,6 +82,11 @@ def test_overrides_are_typed(files):
      "trainer.staleness=1 with trainer.dynamic_sampling=true"),
     (["trainer.ratio_mask_low=1.5"], 1, "trainer.ratio_mask_low must be in (0, 1]"),
     (["trainer.ratio_mask_high=0.9"], 1, "trainer.ratio_mask_high must be >= 1"),
+    (["trainer.partial_rollout_tokens=4"], 1, "trainer.partial_rollout_tokens=4 needs trainer.staleness >= 1"),
+    (["trainer.partial_rollout_tokens=-1"], 1, "trainer.partial_rollout_tokens must be >= 0"),
+    (["trainer.partial_segments_per_version=0"], 1, "trainer.partial_segments_per_version must be >= 1"),
+    (["trainer.partial_rollout_tokens=4", "trainer.staleness=1", "rollout.engine=vllm-server",
+      "rollout.multi_turn.env=calculator"], 2, "partial rollouts cut single-turn responses only"),
 ])
 def test_bad_input_gives_one_clear_line(files, overrides, world, needle):
     msg = _error(overrides, files, world_size=world)

@@ -106,7 +106,7 @@ class Trainer:
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
-        self.t_start, self.version, self.pipeline, self._saved_in_flight = time.perf_counter(), 0, None, []
+        self.version, self.rollouts, self._saved_in_flight = 0, None, []
         self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
@@ -115,28 +115,22 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
-        from megatron_stare.rollout.async_loop import RolloutPipeline
+        from megatron_stare.async_rollouts import AsyncRollouts
 
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
-        t = self.cfg.trainer
-        # Staleness 0: the whole rollout (phases 1-3, with their collectives) runs inline on this
-        # thread. Above 0: only the engine's generate runs ahead, in the pipeline's worker thread,
-        # a whole batch at a time or, with partial rollouts, in token segments (rollout/partial.py).
-        self.pipeline = (RolloutPipeline(0, lambda step: step, self.rollout) if t.staleness == 0 else
-                         RolloutPipeline(t.staleness, self._draw, advance=self._advance_partial)
-                         if t.partial_rollout_tokens else
-                         RolloutPipeline(t.staleness, self._draw, lambda d: self.generate(d[1], d[2])))
-        self._restore_in_flight()
+        # Every step goes through the rollout pipeline: with staleness 0 it runs ``step`` exactly.
+        self.rollouts = AsyncRollouts(self, self._saved_in_flight)
+        self._saved_in_flight = []
         stopped = None
         try:
             for step in range(self.start_step, self.cfg.trainer.total_steps):
                 if self.preempted(step):
                     stopped = step
                     break
-                self.pipelined_step(step)
+                self.rollouts.step(step)
         finally:
-            self.pipeline.close()
+            self.rollouts.close()
         self.close()
         return stopped
 
@@ -146,21 +140,9 @@ class Trainer:
         self.phases_run = []
         return self.finish_step(step, *self.rollout(step), t0=t0)  # 1-3 generate, gather, score
 
-    def pipelined_step(self, step: int) -> dict:
-        """One step of ``fit`` through the rollout pipeline (``rollout/async_loop.py``): with
-        ``trainer.staleness`` 0 exactly ``step``; above 0 the batch comes from the pipeline, the
-        next batches generate while this one trains, and the engine stays awake."""
-        t0 = time.perf_counter()
-        self.phases_run = []
-        job = self.pipeline.take(step, self.version)
-        if self.pipeline.staleness == 0:
-            return self.finish_step(step, *job.results, t0=t0)
-        samples, rollout = self._select(job)
-        self.pipeline.launch_ahead(step, self.version, end=self.cfg.trainer.total_steps)
-        return self.finish_step(step, samples, rollout, t0=t0, job=job)
-
     def finish_step(self, step: int, samples, rollout, t0: float, job=None) -> dict:
-        """Phases 4-8 and the step's metrics; ``job``: the pipeline's batch (asynchronous)."""
+        """Phases 4-8 and the step's metrics; ``job``: the pipeline's batch (asynchronous:
+        ``async_rollouts.py``)."""
         cfg, eng = self.cfg, None if job is not None else self.engine  # a pipelined engine stays awake
         with self.phase(RELEASE):
             if eng is not None:
@@ -174,7 +156,7 @@ class Trainer:
                 eng.resume_weights()                              # 6
         if job is not None:
             with self.timer("wait_generate"):
-                self.pipeline.drain()  # no request sees two weight versions
+                self.rollouts.drain()  # no request sees two weight versions
         with self.phase(SYNC):
             self.sync_weights()                                   # 7
         self.version = step + 1
@@ -188,11 +170,7 @@ class Trainer:
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
         if job is not None:
-            from megatron_stare.rollout.async_loop import Span, version_metrics
-
-            metrics.update(self.pipeline.step_metrics(step, job, Span(step, "train", train_start, train_end),
-                                                      self.t_start))
-            metrics.update(version_metrics(samples, step))
+            metrics.update(self.rollouts.step_metrics(step, job, samples, train_start, train_end))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
@@ -249,88 +227,6 @@ class Trainer:
         if not samples:
             raise RuntimeError(f"step {step}: no informative prompt groups after "
                                f"{self.cfg.trainer.max_gen_batches} generation batches")
-        return samples, stats
-
-    def _draw(self, step: int, idx=None):
-        """An asynchronous step's one generation batch, drawn on the main thread in step order
-        (or ``idx``, restored from a checkpoint): ``(prompt indices, prompts, params)``, seeded
-        as ``rollout``'s first batch of ``step``."""
-        from megatron_stare.generation import sampling_params
-
-        idx = self.sampler.next_batch() if idx is None else list(idx)
-        seed = (self.cfg.trainer.seed * 100_003 + step) * 1009
-        return idx, self.train_set.batch(idx), sampling_params(self.engine_spec.sampling, seed=seed)
-
-    def _segmented(self, draw, state: Optional[dict] = None):
-        """A partial-rollout batch of ``draw``: this replica's slice of its prompts, cut in
-        segments of ``trainer.partial_rollout_tokens`` (``state``: restored from a checkpoint);
-        None on ranks that do not generate."""
-        from megatron_stare.rollout.data_parallel import replica_slice
-        from megatron_stare.rollout.partial import SegmentedBatch
-
-        d = self.engine_spec.devices
-        if not d.generates:
-            return None
-        _, prompts, params = draw
-        part = replica_slice(len(prompts), d.replica, d.replicas)
-        batch = SegmentedBatch([prompts[i].token_ids for i in part], part, params,
-                               self.cfg.trainer.partial_rollout_tokens)
-        if state is not None:
-            batch.load_state_dict(state)
-        return batch
-
-    def _advance_partial(self, job, version: int) -> bool:
-        """One round of a partial-rollout batch under ``version`` (the engine's weights):
-        ``trainer.partial_segments_per_version`` segments; True once every response finished."""
-        if job.work is None:
-            job.work = self._segmented(job.draw)
-            if job.work is None:
-                return True  # nothing generates here; gather brings the results
-        for _ in range(self.cfg.trainer.partial_segments_per_version):
-            job.work.advance(self.engine, version)
-            if job.work.finished:
-                job.results = job.work.results()
-                return True
-        return False
-
-    def _in_flight_state(self) -> list:
-        """The finished batches in flight at this step boundary, for the checkpoint (JSON: the
-        float32 log-probs round-trip exactly). Restored, not regenerated: they were sampled
-        under older weights than the checkpoint holds (``rollout/async_loop.py``)."""
-        from megatron_stare.rollout.async_loop import encode_in_flight
-
-        if self.pipeline is None or self.pipeline.staleness == 0:
-            return []
-        return encode_in_flight(self.pipeline.in_flight())
-
-    def _restore_in_flight(self) -> None:
-        from megatron_stare.rollout.async_loop import decode_in_flight
-
-        saved, self._saved_in_flight = self._saved_in_flight, []
-        if saved and self.pipeline.staleness == 0:
-            raise ValueError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
-                             f"asynchronous run; resume it with trainer.staleness >= 1")
-        # Results live on the generating ranks only, as in the uninterrupted run.
-        for job in decode_in_flight(saved, self._draw, keep_results=self.engine_spec.devices.generates,
-                                    work=(lambda job, state: self._segmented(job.draw, state))
-                                    if self.cfg.trainer.partial_rollout_tokens else None):
-            self.pipeline.restore(job)
-
-    def _select(self, job):
-        """Phases 2-3 of a pipelined batch on the main thread (their collectives stay here); each
-        sample records the policy version it was generated under."""
-        from megatron_stare.generation import GroupSelector, ScoredBatch
-
-        _, prompts, params = job.draw
-        with self.phase(GATHER):
-            results = self.gather(job.results, len(prompts), params.n)
-        with self.phase(SCORE):
-            shared = self.score(prompts, results)
-        selector = GroupSelector(self.cfg)
-        selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts, shared.crashes))
-        samples, stats = selector.finish()
-        for s in samples:
-            s.metadata["policy_version"] = job.version
         return samples, stats
 
     def generate(self, prompts, params):
@@ -477,7 +373,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "controller": self.controller.state_dict(),
-                "in_flight": self._in_flight_state(),
+                "in_flight": self.rollouts.state() if self.rollouts is not None else [],
                 "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
 
     def save(self, step: int) -> None:

@@ -31,17 +31,21 @@ trains::
   and the trainer each training phase's; the step logs ``timeline/*`` so a test (and a user) can
   see that they intersect.
 
-Interruption points and partial rollouts (next). The unit of interruption is the step boundary,
-counted in steps, never in wall-clock time: a run with the same seed draws the same prompts,
-sends the same seeded requests under the same weight versions and gets the same tokens,
-however long each phase takes. Partial rollouts refine the unit to a token budget: a batch is
-generated in segments of ``segment_tokens`` new tokens; at a step boundary the unfinished
-responses stop at their segment edge, keep their tokens, behaviour log-probs and per-token
-versions, and continue under the new weights from ``prompt + prefix`` with a seed derived from
-(step, prompt, sample, segment). The prefix's KV cache is *recomputed* under the new weights (the
-server resets its prefix cache after every push; the continuation is a new request): the safe
-default - keeping a KV cache computed by the old weights would mix versions inside one token's
-context.
+Interruption points and partial rollouts (``trainer.partial_rollout_tokens``,
+``rollout/partial.py``). The unit of interruption is counted in tokens and steps, never in
+wall-clock time: a run with the same seed draws the same prompts, sends the same seeded requests
+under the same weight versions and gets the same tokens, however long each phase takes. Without
+partial rollouts a batch is generated whole under the version it was launched at. With them a
+batch is generated in segments of ``partial_rollout_tokens`` new tokens: a batch in flight gets one
+*round* of ``partial_segments_per_version`` segments per version it lives through (in the worker,
+launched by ``launch_ahead`` after each push), and ``take`` finishes it inline under the current
+version. Its unfinished responses stop at their segment edge, keep their tokens, behaviour
+log-probs and per-token versions, and continue under the new weights from ``prompt + prefix``
+with a seed derived from (batch seed, segment, response). The prefix's KV cache is *recomputed*
+under the new weights (the server resets its prefix cache after every push; the continuation is
+a new request): the safe default - keeping a KV cache computed by the old weights would mix
+versions inside one token's context. A sample is still at most ``k`` versions old: its oldest
+tokens are those of its launch version.
 
 Off-policy correction: the engine's log-probs are the behaviour log-probs of each token (the
 version that produced it). TIS (``algorithm.tis_cap``) and the ratio band
@@ -49,13 +53,15 @@ version that produced it). TIS (``algorithm.tis_cap``) and the ratio band
 mismatch metrics (``mismatch/*``) then measure staleness plus engine/trainer numerics. STARE's
 controller keeps reading the trainer's entropy of the log-prob pass.
 
-Resume: a checkpoint is written at a step boundary after the drain, so every batch in flight is
-*finished* there: the checkpoint stores them (``RolloutPipeline.state_dict``: prompt indices,
-seed, tokens, behaviour log-probs, version) together with the sampler state after their draws,
+Resume: a checkpoint is written at a step boundary after the drain, so no round is running
+there: the checkpoint stores the batches in flight (``encode_in_flight``: prompt indices,
+version, tokens, behaviour log-probs, per-token versions; an unfinished partial batch's segment
+state) together with the sampler state after their draws,
 and a resumed run restores them rather than regenerating: regenerating would need the older
 weights they were sampled under, which the checkpoint does not hold. With partial rollouts the
-same holds for the finished segments, and the continuation of an unfinished response is
-regenerated deterministically (its seed is fixed, its weights are the checkpoint's).
+same holds for the finished segments (stored with their versions), and the continuation of an
+unfinished response is generated after the resume exactly as in the uninterrupted run: its
+seed is fixed and its next round runs under the checkpoint's weights in both.
 """
 
 from __future__ import annotations

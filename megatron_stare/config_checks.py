@@ -208,9 +208,8 @@ def _check_staleness(cfg: Config) -> None:
         return
     _require(ENGINE_TRAITS[r.engine].server,
              f"trainer.staleness={t.staleness} needs a server engine that generates while the trainer "
-             f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server or trainer.staleness=0")
-    _require(r.engine == "vllm-server", f"trainer.staleness={t.staleness} is implemented for "
-                                        f"rollout.engine=vllm-server only; use it or trainer.staleness=0")
+             f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server (or sglang-server on GPUs) "
+             f"or trainer.staleness=0")
     _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
                                      f"a step's extra generation batches cannot be drawn ahead; set one of "
                                      f"trainer.dynamic_sampling=false or trainer.staleness=0")

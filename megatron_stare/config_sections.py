@@ -243,7 +243,7 @@ class TrainerConfig:
     staleness: int = num(0, ge=0)
     """Bounded staleness k, >= 0: generation for the next k steps runs while a step trains, so a
     sample is at most k policy versions old (``rollout/async_loop.py``); 0 = on-policy steps.
-    > 0 needs a server engine (vllm-server) and no dynamic sampling."""
+    > 0 needs a server engine (vllm-server, sglang-server) and no dynamic sampling."""
     partial_rollout_tokens: int = num(0, ge=0)
     """Partial rollouts, >= 0 (staleness > 0): a batch in flight generates this many new tokens
     per response and segment, ``partial_segments_per_version`` segments per policy version, and

@@ -189,8 +189,14 @@ class RolloutPipeline:
             self._wait(job)
 
     def close(self) -> None:
+        """Stop the worker: rounds queued but not started are dropped (their batches fail with
+        an error if taken), the round running finishes (an engine call cannot be cut)."""
         with self._cv:
             self._closed = True
+            for job, _ in self._queue:
+                job.error = RuntimeError(f"step {job.step}'s generation was cancelled: the rollout pipeline closed")
+                job.done.set()
+            self._queue.clear()
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()

@@ -111,6 +111,26 @@ def test_partial_batches_get_one_round_per_version_then_finish_inline(k):
         RolloutPipeline(1, lambda s: s)
 
 
+def test_close_drops_queued_rounds_and_waits_for_the_running_one():
+    started, release = threading.Event(), threading.Event()
+    ran = []
+
+    def generate(step):
+        ran.append(step)
+        started.set()
+        release.wait(5)
+        return step
+
+    pipe = RolloutPipeline(3, lambda s: s, generate)
+    pipe.launch_ahead(0, 0)  # steps 1, 2, 3 queued; step 1 starts
+    assert started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    pipe.close()  # returns once step 1's round is done; 2 and 3 never start
+    assert ran == [1] and pipe.pending[1].results == 1
+    with pytest.raises(RuntimeError, match="step 2's generation was cancelled"):
+        pipe.take(2, 0)
+
+
 def test_overlap_check_fails_for_a_serial_schedule():
     _, trains = _run(1, 3, _Recorder(gen_s=0.05), train_s=0.05, serial=True)
     assert all(ahead for _, ahead in trains[:2])

@@ -40,6 +40,8 @@ class AsyncRollouts:
         self.tr = trainer
         t = trainer.cfg.trainer
         self.t_start = time.perf_counter()  # the zero of the logged timelines
+        # Staleness 0 never uses its pipeline (``step`` is ``Trainer.step``); it is there for
+        # the checks that a checkpoint has no batches in flight.
         self.pipeline = (RolloutPipeline(0, lambda step: step, trainer.rollout) if t.staleness == 0 else
                          RolloutPipeline(t.staleness, self._draw, advance=self._advance_partial)
                          if t.partial_rollout_tokens else
@@ -50,11 +52,11 @@ class AsyncRollouts:
         """One step: with staleness 0 exactly ``Trainer.step``; above 0 the batch comes from the
         pipeline, the next batches generate while this one trains, and the engine stays awake."""
         tr = self.tr
+        if self.pipeline.staleness == 0:
+            return tr.step(step)
         t0 = time.perf_counter()
         tr.phases_run = []
         job = self.pipeline.take(step, tr.version)
-        if self.pipeline.staleness == 0:
-            return tr.finish_step(step, *job.results, t0=t0)
         samples, rollout = self._select(job)
         self.pipeline.launch_ahead(step, tr.version, end=tr.cfg.trainer.total_steps)
         return tr.finish_step(step, samples, rollout, t0=t0, job=job)

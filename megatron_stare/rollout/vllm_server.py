@@ -73,6 +73,19 @@ SERVED_NAME = "stare-policy"
 
 
 
+#: A torchrun worker's own variables (with every ``TORCHELASTIC_*``): a server it spawns is no
+#: torchrun worker, and would misread them (torch's ``tcp://`` rendezvous, inside vLLM too, takes
+#: ``TORCHELASTIC_USE_AGENT_STORE`` to mean that torchrun's agent hosts every store).
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_environ() -> Dict[str, str]:
+    """This process's environment without torchrun's worker variables: what a spawned server
+    inherits."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 @dataclass(frozen=True)
 class ServerCommand:
     """A server's command line and the environment it needs on top of the caller's."""
@@ -158,7 +171,7 @@ class VLLMServerEngine(RolloutEngine):
         argv = list(command.argv)
         self.host, self.port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
         self.base_url = f"http://{self.host}:{self.port}"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **command.env}
+        full_env = {**server_environ(), "OMP_NUM_THREADS": "1", **command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
         self._proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -300,8 +313,8 @@ class VLLMServerEngine(RolloutEngine):
         world = 1 + sum(s.world for s in servers)
         offsets = [1 + sum(s.world for s in servers[:k]) for k in range(len(servers))]
         joins = [lambda port, s=s, o=o: s.join_weight_group(host, port, world, o) for s, o in zip(servers, offsets)]
-        return form_group(joins, lambda port: stateless_init_torch_distributed_process_group(
-            host, port, 0, world, backend, timeout=timedelta(seconds=timeout_s)), host)
+        return form_group(joins, lambda port, sock: stateless_init_torch_distributed_process_group(
+            host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s)), host)
 
     @staticmethod
     def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send) -> SyncStats:

@@ -386,7 +386,8 @@ def test_server_attaches_from_a_config_file_and_checks_the_server(fake_server, t
                             f"`python -m megatron_stare.rollout.server_cmd` prints")
 
 
-def test_server_adapter_distributed_update_over_gloo(fake_server):
+def test_server_adapter_distributed_update_over_gloo(fake_server, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # a torchrun worker (weight_sync/groups.py)
     eng = SGLangServerEngine(base_url=fake_server, weight_backend="gloo", bucket_bytes=20_000,
                              request_timeout_s=60)
     try:

@@ -19,11 +19,13 @@ planner's memory model reads too):
     8 resume_kv    the engine restores its KV cache
                    then metrics, eval, checkpoint
 
-With ``trainer.staleness = k > 0`` (a vllm-server engine) ``fit`` runs the steps through the
-rollout pipeline (``rollout/async_loop.py``): the batches of the next k steps generate in a
-worker thread while this step trains, the engine stays awake (no phases 4, 6, 8), the pipeline
-is drained before the sync, and a sample is at most k policy versions old. With k = 0 ``fit``
-runs exactly ``step``.
+With ``trainer.staleness = k > 0`` (a server engine: vllm-server, sglang-server) ``fit`` runs
+the steps through the rollout pipeline (``async_rollouts.py``, ``rollout/async_loop.py``): the
+batches of the next k steps generate in a worker thread while this step trains (with
+``trainer.partial_rollout_tokens``, in token segments that continue under each new version:
+``rollout/partial.py``), the engine stays awake (no phases 4, 6, 8), the pipeline is drained
+before the sync, and a sample is at most k policy versions old. With k = 0 ``fit`` runs exactly
+``step``.
 
 Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
 run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.

@@ -28,7 +28,9 @@ issued from a helper thread) while this process broadcasts the HF stream in flat
 push all come from ``weight_sync`` (``form_group``, ``push_to_group``), shared with the fleet.
 
 A spawned server process (and the engine-core process it spawns) runs in its own session, so
-``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
+``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does, and a guard
+process leading that session (``server_guard.py``) ends it when this process dies without either
+(SIGKILL, the OOM killer).
 
 Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
 weight group by the same timeout. A call that fails on the transport (connection refused or
@@ -62,6 +64,7 @@ from torch import Tensor
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, request_json
+from .server_guard import guarded
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
@@ -174,7 +177,8 @@ class VLLMServerEngine(RolloutEngine):
         full_env = {**server_environ(), "OMP_NUM_THREADS": "1", **command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
-        self._proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        # The guard ends the server if this process dies without shutting it down (server_guard.py).
+        self._proc = subprocess.Popen(guarded(argv), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         atexit.register(self.shutdown)
         try:

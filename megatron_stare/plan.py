@@ -131,6 +131,13 @@ class PlanLayout:
     """Per weight sync, what each rank receives in the TP all-gather of its stage's sharded weights."""
     sync_kept_gib: float = 0.0
     """Per weight sync, what a colocated engine rank keeps of what it received (its 1/engine-tp)."""
+    attached_servers: int = 0
+    """Servers attached through ``rollout.server_urls`` (disaggregated: on GPUs of their own, each
+    ``engine_tp`` GPUs, none of the trainer's); 0 when the engine is on the trainer's GPUs."""
+    sync_bucket_mb: int = 0
+    """Flat bucket size of the weight push (``rollout.sync_bucket_mb``)."""
+    staleness: int = 0
+    """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
 
 
 def _always(p: Phase) -> bool:
@@ -218,15 +225,31 @@ class MemoryPlan:
                 f"instances x {L.sequences_per_instance} sequences; KV {L.kv_bytes_per_token / 1024:.1f} "
                 f"KiB/token/GPU; full batch needs {L.kv_needed_gib:.1f} GiB, the pool holds "
                 f"{L.kv_concurrent_sequences} full-length sequences at once")
+        elif L.attached_servers:
+            lines.append(f"  rollout  {L.engine}: {L.attached_servers} attached server(s) (rollout.server_urls) x "
+                         f"engine tp {L.engine_tp} = {L.attached_servers * L.engine_tp} engine GPUs of their own "
+                         f"(no trainer GPU memory: not counted below)")
         else:
             lines.append(f"  rollout  {L.engine} on separate GPUs (not counted here), "
                          f"engine tp {L.engine_tp}")
+        if L.staleness:
+            lines.append(f"  async    trainer.staleness {L.staleness}: the next {L.staleness} step(s)' batches "
+                         f"generate while a step trains; the engine stays awake")
         lines.append(f"  replicas {L.replicas} engine replica(s), each generating its own slice of a step's prompts: "
                      f"<= {L.prompts_per_replica} prompts x n samples per replica")
         kept = (f", its engine rank keeps {L.sync_kept_gib:.1f} GiB (vLLM's loader takes full HF tensors and "
                 f"slices them itself)" if L.sync_kept_gib else "")
-        lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
-                     f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
+        if L.attached_servers:
+            workers = L.attached_servers * L.engine_tp
+            lines.append(f"  sync     per weight push: TP all-gather {L.sync_gathered_gib:.1f} GiB per rank; trainer "
+                         f"rank 0 receives the whole model ({L.sync_received_gib:.1f} GiB, the other stages' "
+                         f"over PP) and broadcasts it in {L.sync_bucket_mb} MiB buckets over one group of 1 + "
+                         f"{workers} engine workers (NCCL on GPUs, each bucket once to all {L.attached_servers} "
+                         f"servers); each engine GPU receives {L.sync_received_gib:.1f} GiB and keeps its "
+                         f"1/{L.engine_tp}")
+        else:
+            lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
+                         f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -372,7 +395,9 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent,
         replicas=replicas, prompts_per_replica=math.ceil(t.prompts_per_step / replicas),
         sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
-        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0)
+        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0,
+        attached_servers=0 if colocated else len(r.server_urls), sync_bucket_mb=r.sync_bucket_mb,
+        staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
                       fits=True, assumptions=a, **stages[stage])

@@ -71,6 +71,14 @@ def test_recipe_validates_and_its_engines_cost_the_trainer_nothing():
     spawned = estimate_memory(cfg, hf, 16, 80)
     assert spawned.layout.colocated and spawned.layout.attached_servers == 0
     assert spawned.engine_weights_gib > 0 and spawned.phases["generate"] > plan.phases["generate"] + 10
+    # ... in every phase: asynchronous, it generates while the trainer trains (never released).
+    awake = spawned.engine_weights_gib + spawned.engine_kv_gib + spawned.engine_workspace_gib
+    assert spawned.phases["train"] == pytest.approx(spawned.phases["generate"] + spawned.activations_gib
+                                                    + spawned.logits_gib)
+    cfg.trainer.staleness = 0
+    synchronous = estimate_memory(cfg, hf, 16, 80)  # it sleeps while the trainer trains
+    assert spawned.phases["train"] - synchronous.phases["train"] == pytest.approx(
+        awake - synchronous.engine_asleep_gib)
 
 
 def test_script_flags_restate_the_yaml():

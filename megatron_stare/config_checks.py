@@ -186,10 +186,33 @@ def _check_schedule(cfg: Config) -> None:
         _require(cfg.rollout.n >= 2, f"rollout.n must be >= 2 for group advantages "
                                      f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
+    _check_staleness(cfg)
     for name in ("save_every", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
                  f"set checkpoint.dir or checkpoint.{name}=0")
+
+
+def _check_staleness(cfg: Config) -> None:
+    """Asynchronous training (``rollout/async_loop.py``) needs an engine that generates in its own
+    process while the trainer trains, and one generation batch per step."""
+    t, r = cfg.trainer, cfg.rollout
+    _require(not t.partial_rollout_tokens or t.staleness > 0,
+             f"trainer.partial_rollout_tokens={t.partial_rollout_tokens} needs trainer.staleness >= 1 (a "
+             f"synchronous step has no weight update during generation); set one of them")
+    _require(not t.partial_rollout_tokens or not r.multi_turn.env,
+             f"trainer.partial_rollout_tokens={t.partial_rollout_tokens} with rollout.multi_turn.env="
+             f"{r.multi_turn.env}: partial rollouts cut single-turn responses only; set "
+             f"trainer.partial_rollout_tokens=0")
+    if t.staleness == 0:
+        return
+    _require(ENGINE_TRAITS[r.engine].server,
+             f"trainer.staleness={t.staleness} needs a server engine that generates while the trainer "
+             f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server (or sglang-server on GPUs) "
+             f"or trainer.staleness=0")
+    _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
+                                     f"a step's extra generation batches cannot be drawn ahead; set one of "
+                                     f"trainer.dynamic_sampling=false or trainer.staleness=0")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,

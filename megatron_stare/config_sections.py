@@ -240,6 +240,23 @@ class TrainerConfig:
     """Steps between evaluations, >= 0; 0 = never (> 0 needs data.eval_path)."""
     seed: int = num(1, ge=0, le=SEED_MAX)
     """Seed of the model init and of sampling, in [0, 4294967295]."""
+    staleness: int = num(0, ge=0)
+    """Bounded staleness k, >= 0: generation for the next k steps runs while a step trains, so a
+    sample is at most k policy versions old (``rollout/async_loop.py``); 0 = on-policy steps.
+    > 0 needs a server engine (vllm-server, sglang-server) and no dynamic sampling."""
+    partial_rollout_tokens: int = num(0, ge=0)
+    """Partial rollouts, >= 0 (staleness > 0): a batch in flight generates this many new tokens
+    per response and segment, ``partial_segments_per_version`` segments per policy version, and
+    its unfinished responses continue under each next version's weights (each token records its
+    version and behaviour log-prob: ``rollout/partial.py``). 0 = off: a batch is generated whole
+    under the version it was launched at."""
+    partial_segments_per_version: int = num(1, ge=1)
+    """Segments a batch in flight generates under each policy version, >= 1."""
+    ratio_mask_low: float = num(0.5, gt=0, le=1)
+    """Lower edge of the off-policy ratio band, in (0, 1]: with staleness > 0, a token whose
+    ratio exp(old_logp - engine_logp) lies below it is left out of the loss."""
+    ratio_mask_high: float = num(2.0, ge=1, inf_ok=True)
+    """Upper edge of the off-policy ratio band, >= 1 (inf disables); tokens above it are masked."""
 
 
 @dataclass

@@ -45,7 +45,9 @@ while awake (generate, gather, score, resume_kv), releases them for the trainer'
 train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
 and its KV cache after it. The trainer keeps its weights, grads and optimizer state resident in
 every phase (this trainer does not offload); activations and logits live in ``train``, one
-weight-sync bucket in ``sync``. The peak is the largest phase total, each phase
+weight-sync bucket in ``sync``. Asynchronous (``trainer.staleness > 0``), an engine on the
+trainer's GPUs (a spawned ``vllm-server``) never releases: it generates the next batch while the
+trainer trains, so it counts as awake in every phase. The peak is the largest phase total, each phase
 including a runtime overhead (CUDA context, cuBLAS/NCCL buffers, allocator slack). The numbers
 are estimates for planning, not a guarantee: measure with ``torch.cuda.max_memory_allocated``.
 """
@@ -53,12 +55,13 @@ are estimates for planning, not a guarantee: measure with ``torch.cuda.max_memor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
@@ -131,6 +134,13 @@ class PlanLayout:
     """Per weight sync, what each rank receives in the TP all-gather of its stage's sharded weights."""
     sync_kept_gib: float = 0.0
     """Per weight sync, what a colocated engine rank keeps of what it received (its 1/engine-tp)."""
+    attached_servers: int = 0
+    """Servers attached through ``rollout.server_urls`` (disaggregated: on GPUs of their own, each
+    ``engine_tp`` GPUs, none of the trainer's); 0 when the engine is on the trainer's GPUs."""
+    sync_bucket_mb: int = 0
+    """Flat bucket size of the weight push (``rollout.sync_bucket_mb``)."""
+    staleness: int = 0
+    """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
 
 
 def _always(p: Phase) -> bool:
@@ -154,8 +164,14 @@ _COMPONENTS = (
 )
 
 
-def _phase_totals(components: Dict[str, float]) -> Dict[str, float]:
-    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if where(p)) for p in STEP_PHASES}
+def _phase_totals(components: Dict[str, float], step: Tuple[Phase, ...] = STEP_PHASES) -> Dict[str, float]:
+    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if where(p)) for p in step}
+
+
+def _awake_throughout(step: Tuple[Phase, ...]) -> Tuple[Phase, ...]:
+    """The phases of an asynchronous step (``trainer.staleness > 0``): the engine never releases
+    its memory (it generates the next batch while the trainer trains)."""
+    return tuple(dataclasses.replace(p, engine=EngineMemory.AWAKE) for p in step)
 
 
 @dataclass
@@ -187,10 +203,12 @@ class MemoryPlan:
     reasons: List[str] = field(default_factory=list)
     """Why it does not fit (empty when it fits)."""
     assumptions: Assumptions = field(default_factory=Assumptions)
+    step_phases: Tuple[Phase, ...] = STEP_PHASES
+    """The phases with what each holds (asynchronous: the engine awake in all of them)."""
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""
-        return [(label, {p.name: getattr(self, name) if where(p) else 0.0 for p in STEP_PHASES})
+        return [(label, {p.name: getattr(self, name) if where(p) else 0.0 for p in self.step_phases})
                 for name, label, where in _COMPONENTS]
 
     def format(self) -> str:
@@ -218,15 +236,31 @@ class MemoryPlan:
                 f"instances x {L.sequences_per_instance} sequences; KV {L.kv_bytes_per_token / 1024:.1f} "
                 f"KiB/token/GPU; full batch needs {L.kv_needed_gib:.1f} GiB, the pool holds "
                 f"{L.kv_concurrent_sequences} full-length sequences at once")
+        elif L.attached_servers:
+            lines.append(f"  rollout  {L.engine}: {L.attached_servers} attached server(s) (rollout.server_urls) x "
+                         f"engine tp {L.engine_tp} = {L.attached_servers * L.engine_tp} engine GPUs of their own "
+                         f"(no trainer GPU memory: not counted below)")
         else:
             lines.append(f"  rollout  {L.engine} on separate GPUs (not counted here), "
                          f"engine tp {L.engine_tp}")
+        if L.staleness:
+            lines.append(f"  async    trainer.staleness {L.staleness}: the batches of the next {L.staleness} step(s) "
+                         f"generate while a step trains; the engine stays awake")
         lines.append(f"  replicas {L.replicas} engine replica(s), each generating its own slice of a step's prompts: "
                      f"<= {L.prompts_per_replica} prompts x n samples per replica")
         kept = (f", its engine rank keeps {L.sync_kept_gib:.1f} GiB (vLLM's loader takes full HF tensors and "
                 f"slices them itself)" if L.sync_kept_gib else "")
-        lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
-                     f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
+        if L.attached_servers:
+            workers = L.attached_servers * L.engine_tp
+            lines.append(f"  sync     per weight push: TP all-gather {L.sync_gathered_gib:.1f} GiB per rank; trainer "
+                         f"rank 0 receives the whole model ({L.sync_received_gib:.1f} GiB, the other stages' "
+                         f"over PP) and broadcasts it in {L.sync_bucket_mb} MiB buckets over one group of 1 + "
+                         f"{workers} engine workers (NCCL on GPUs, each bucket once to all {L.attached_servers} "
+                         f"servers); each engine GPU receives {L.sync_received_gib:.1f} GiB and keeps its "
+                         f"1/{L.engine_tp}")
+        else:
+            lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
+                         f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -354,14 +388,16 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             optimizer_gib=n_params * opt_bytes / opt_shards / GiB,
             activations_gib=act / GiB, logits_gib=logits / GiB,
             reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
-    stage = max(stages, key=lambda i: max(_phase_totals(stages[i]).values()))
+    # Asynchronous, an engine on the trainer's GPUs (a spawned server) stays awake while it trains.
+    step_phases = _awake_throughout(STEP_PHASES) if t.staleness > 0 and colocated else STEP_PHASES
+    stage = max(stages, key=lambda i: max(_phase_totals(stages[i], step_phases).values()))
     # Data-parallel rollout (rollout/data_parallel.py): a colocated engine's TP groups are its
     # replicas, each generating its slice; a driver client is one (servers share its batch).
     replicas = world_size // etp if traits.colocated else 1
     # The TP all-gather of the export: (tp - 1) shards of each TP-split weight of the stage.
     gathered = max((tp - 1) * (_stage_params(counts, pp, tp, i) - _stage_params(counts, pp, 10 ** 9, i))
                    for i in stages) * wbytes
-    phases = _phase_totals(stages[stage])
+    phases = _phase_totals(stages[stage], step_phases)
     peak_phase = max(PHASES, key=phases.get)
     layout = PlanLayout(
         world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=p.sequence_parallel,
@@ -372,10 +408,12 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent,
         replicas=replicas, prompts_per_replica=math.ceil(t.prompts_per_step / replicas),
         sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
-        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0)
+        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0,
+        attached_servers=0 if colocated else len(r.server_urls), sync_bucket_mb=r.sync_bucket_mb,
+        staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
-                      fits=True, assumptions=a, **stages[stage])
+                      fits=True, assumptions=a, step_phases=step_phases, **stages[stage])
 
     if plan.peak_gib > gpu_mem_gb:
         label, per = max(plan.rows(), key=lambda row: row[1][plan.peak_phase])

@@ -19,6 +19,14 @@ planner's memory model reads too):
     8 resume_kv    the engine restores its KV cache
                    then metrics, eval, checkpoint
 
+With ``trainer.staleness = k > 0`` (a server engine: vllm-server, sglang-server) ``fit`` runs
+the steps through the rollout pipeline (``async_rollouts.py``, ``rollout/async_loop.py``): the
+batches of the next k steps generate in a worker thread while this step trains (with
+``trainer.partial_rollout_tokens``, in token segments that continue under each new version:
+``rollout/partial.py``), the engine stays awake (no phases 4, 6, 8), the pipeline is drained
+before the sync, and a sample is at most k policy versions old. With k = 0 ``fit`` runs exactly
+``step``.
+
 Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
 run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.
 Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, else a failure.
@@ -76,7 +84,9 @@ class Trainer:
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
-                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap)
+                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap,
+                                 ratio_band=((cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high)
+                                             if cfg.trainer.staleness > 0 else None))
         ref_dir = m.ref_path or hf_dir
         load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)
@@ -98,6 +108,7 @@ class Trainer:
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
+        self.version, self.rollouts, self._saved_in_flight = 0, None, []
         self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
@@ -106,43 +117,67 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
+        from megatron_stare.async_rollouts import AsyncRollouts
+
         self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
+        self.version = self.start_step  # policy version: steps trained into the engine's weights
+        # Every step goes through the rollout pipeline: with staleness 0 it runs ``step`` exactly.
+        self.rollouts = AsyncRollouts(self, self._saved_in_flight)
+        self._saved_in_flight = []
         stopped = None
-        for step in range(self.start_step, self.cfg.trainer.total_steps):
-            if self.preempted(step):
-                stopped = step
-                break
-            self.step(step)
+        try:
+            for step in range(self.start_step, self.cfg.trainer.total_steps):
+                if self.preempted(step):
+                    stopped = step
+                    break
+                self.rollouts.step(step)
+        finally:
+            self.rollouts.close()
         self.close()
         return stopped
 
     def step(self, step: int) -> dict:
-        """One step, phase by phase (see the module docstring)."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        """One synchronous step, phase by phase (see the module docstring)."""
+        t0 = time.perf_counter()
         self.phases_run = []
-        samples, rollout = self.rollout(step)                     # 1-3 generate, gather, score
+        return self.finish_step(step, *self.rollout(step), t0=t0)  # 1-3 generate, gather, score
+
+    def finish_step(self, step: int, samples, rollout, t0: float, job=None) -> dict:
+        """Phases 4-8 and the step's metrics; ``job``: the pipeline's batch (asynchronous:
+        ``async_rollouts.py``)."""
+        cfg, eng = self.cfg, None if job is not None else self.engine  # a pipelined engine stays awake
         with self.phase(RELEASE):
-            if self.engine is not None:
-                self.engine.release_memory()                      # 4
+            if eng is not None:
+                eng.release_memory()                              # 4
+        train_start = time.perf_counter()
         with self.phase(TRAIN):
             result, stats, state, dynamics = self.train(samples, step)  # 5
+        train_end = time.perf_counter()
         with self.phase(RESUME_WEIGHTS):
-            if self.engine is not None:
-                self.engine.resume_weights()                      # 6
+            if eng is not None:
+                eng.resume_weights()                              # 6
+        if job is not None:
+            with self.timer("wait_generate"):
+                self.rollouts.drain()  # no request sees two weight versions
         with self.phase(SYNC):
             self.sync_weights()                                   # 7
+        self.version = step + 1
         with self.phase(RESUME_KV):
-            if self.engine is not None:
-                self.engine.resume_kv_cache()                     # 8
+            if eng is not None:
+                eng.resume_kv_cache()                             # 8
         metrics = {**rollout.metrics(), **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
                    "stare/entropy": stats.entropy,
                    # The gate only acts in the STARE loss; other losses log it as off.
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),
                    "stare/w": state.w, "stare/m": state.m, "skipped_steps": self.skipped}
+        if job is not None:
+            metrics.update(self.rollouts.step_metrics(step, job, samples, train_start, train_end))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
                             "mismatch/max_abs_logp": stats.mismatch_max})
+        if stats.ratio_masked_frac is not None:
+            metrics["mismatch/ratio_masked_frac"] = stats.ratio_masked_frac
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
             with self.timer("eval"):
                 metrics.update(self.evaluate(step))
@@ -340,6 +375,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "controller": self.controller.state_dict(),
+                "in_flight": self.rollouts.state() if self.rollouts is not None else [],
                 "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
 
     def save(self, step: int) -> None:
@@ -368,6 +404,7 @@ class Trainer:
         if self.gepo is not None and state.get("gepo"):
             self.gepo.load_state_dict(state["gepo"])
         self.skipped = int(state.get("skipped_steps", 0))
+        self._saved_in_flight = list(state.get("in_flight", []))
         if self.rank == DRIVER:
             print(f"[megatron-stare] resumed from {path} at step {self.start_step}", flush=True)
 

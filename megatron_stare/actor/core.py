@@ -74,7 +74,14 @@ class MegatronActor:
     def compute_logprobs(self, batches: List[List[MicroBatch]], sensitivity: bool = True) -> StepStats:
         """Forward-only pass: fills ``old_logp``, ``entropy`` (and sensitivity sums, ``ref_logp``)
         of every micro-batch on every rank; returns the global entropy and mismatch."""
-        return fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity)
+        stats = fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity)
+        if self.s.ratio_band is not None:
+            from megatron_stare.actor.mismatch import band_masked_fraction
+
+            flat = [mb for mini in batches for mb in mini]
+            stats.ratio_masked_frac = band_masked_fraction(flat, self.s.ratio_band, self.groups.dp_cp_group,
+                                                           self.groups.device)
+        return stats
 
     def loss_plans(self, batches: List[List[MicroBatch]], step: int,
                    stare_state: Optional[StareState] = None) -> List[LossPlan]:
@@ -99,6 +106,7 @@ class MegatronActor:
             plans = self.loss_plans(batches, step, stare_state)
         ctx = LossContext(loss_fn=self.loss_fn, kernel=self.kernel,
                           entropy_grad=self.s.algorithm.entropy_coeff > 0, tis_cap=self.s.tis_cap,
+                          ratio_band=self.s.ratio_band,
                           cp_group=g.cp_group if lay.cp > 1 else None, stare=self.s.algorithm.stare,
                           collect_selection=collect_selection)
         result = UpdateResult(loss=[], grad_norm=[])

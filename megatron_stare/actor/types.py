@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,8 @@ class ActorSettings:
     logprob_chunk: int = 1024
     tis_cap: Optional[float] = None
     """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
+    ratio_band: Optional[Tuple[float, float]] = None
+    """Off-policy ratio band (asynchronous training): tokens outside it leave the loss."""
 
 
 @dataclass
@@ -42,6 +44,8 @@ class StepStats:
     mismatch_mean: Optional[float] = None
     """Mean |logp_engine - logp_train| over response tokens (when engine log-probs came)."""
     mismatch_max: Optional[float] = None
+    ratio_masked_frac: Optional[float] = None
+    """Fraction of response tokens outside the off-policy ratio band (asynchronous training)."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ the schedule over a mini-batch's micro-batches and takes one guarded optimizer s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ class LossContext:
     stare: StareConfig
     collect_selection: bool = False
     """Also record the STARE-selected token keys (tests, debugging)."""
+    ratio_band: Optional[Tuple[float, float]] = None
+    """Off-policy band: tokens whose ratio to the behaviour policy lies outside it are left out
+    of the loss (asynchronous training only; ``actor/tis.py``)."""
 
 
 @dataclass
@@ -71,7 +74,7 @@ class MicroBatchLoss:
             logp=o.logprobs.reshape(shape), old_logp=mb.old_logp, advantages=mb.advantages,
             mask=mb.loss_mask, token_keys=mb.token_keys,
             entropy=o.entropy.reshape(shape) if o.entropy is not None else None,
-            ref_logp=mb.ref_logp, tis_weight=tis_weight(mb, ctx.tis_cap), seq_num_tokens=seq_tokens)
+            ref_logp=mb.ref_logp, tis_weight=tis_weight(mb, ctx.tis_cap, ctx.ratio_band), seq_num_tokens=seq_tokens)
 
     def __call__(self, logits: Tensor):
         out = self.ctx.loss_fn(self.policy_loss_input(logits), self.plan)

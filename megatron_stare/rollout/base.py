@@ -109,6 +109,9 @@ class GenerationResult:
     ``token_ids``: ``[T]`` response tokens (prompt excluded; a stop token included).
     ``logprobs``: ``[T]`` float32, the engine's log-prob of each sampled token (see the module
     docstring for the convention). ``finish_reason``: ``"stop"`` or ``"length"``.
+    ``versions``: ``[T]`` the policy version that produced each token, set by partial rollouts
+    (``rollout/partial.py``), whose responses can span a weight update; None when one version
+    produced the whole response.
     """
 
     prompt_index: int
@@ -116,12 +119,15 @@ class GenerationResult:
     token_ids: List[int]
     logprobs: Tensor
     finish_reason: str
+    versions: Optional[List[int]] = None
 
     def __post_init__(self):
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
         if len(self.token_ids) != self.logprobs.numel():
             raise ValueError(f"{len(self.token_ids)} tokens but {self.logprobs.numel()} log-probs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.versions)} policy versions")
 
 
 @dataclass(frozen=True)

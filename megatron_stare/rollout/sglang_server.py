@@ -138,9 +138,9 @@ class SGLangServerEngine(RolloutEngine):
                     "world_size": 1 + self.world, "group_name": self.group_name,
                     "backend": self.weight_backend})
 
-            self._group = form_group([join], lambda port: init_named_weight_group(
+            self._group = form_group([join], lambda port, sock: init_named_weight_group(
                 self.group_host, port, 0, 1 + self.world, self.group_name, self.weight_backend,
-                self.request_timeout_s), self.group_host)
+                self.request_timeout_s, listen_socket=sock), self.group_host)
         return self._group
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:

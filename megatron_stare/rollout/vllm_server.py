@@ -28,7 +28,9 @@ issued from a helper thread) while this process broadcasts the HF stream in flat
 push all come from ``weight_sync`` (``form_group``, ``push_to_group``), shared with the fleet.
 
 A spawned server process (and the engine-core process it spawns) runs in its own session, so
-``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does.
+``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does, and a guard
+process leading that session (``server_guard.py``) ends it when this process dies without either
+(SIGKILL, the OOM killer).
 
 Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
 weight group by the same timeout. A call that fails on the transport (connection refused or
@@ -62,6 +64,7 @@ from torch import Tensor
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, request_json
+from .server_guard import guarded
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
@@ -71,6 +74,19 @@ log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
 
+
+
+#: A torchrun worker's own variables (with every ``TORCHELASTIC_*``): a server it spawns is no
+#: torchrun worker, and would misread them (torch's ``tcp://`` rendezvous, inside vLLM too, takes
+#: ``TORCHELASTIC_USE_AGENT_STORE`` to mean that torchrun's agent hosts every store).
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_environ() -> Dict[str, str]:
+    """This process's environment without torchrun's worker variables: what a spawned server
+    inherits."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
 
 
 @dataclass(frozen=True)
@@ -158,10 +174,11 @@ class VLLMServerEngine(RolloutEngine):
         argv = list(command.argv)
         self.host, self.port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
         self.base_url = f"http://{self.host}:{self.port}"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **command.env}
+        full_env = {**server_environ(), "OMP_NUM_THREADS": "1", **command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
-        self._proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        # The guard ends the server if this process dies without shutting it down (server_guard.py).
+        self._proc = subprocess.Popen(guarded(argv), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         atexit.register(self.shutdown)
         try:
@@ -300,8 +317,8 @@ class VLLMServerEngine(RolloutEngine):
         world = 1 + sum(s.world for s in servers)
         offsets = [1 + sum(s.world for s in servers[:k]) for k in range(len(servers))]
         joins = [lambda port, s=s, o=o: s.join_weight_group(host, port, world, o) for s, o in zip(servers, offsets)]
-        return form_group(joins, lambda port: stateless_init_torch_distributed_process_group(
-            host, port, 0, world, backend, timeout=timedelta(seconds=timeout_s)), host)
+        return form_group(joins, lambda port, sock: stateless_init_torch_distributed_process_group(
+            host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s)), host)
 
     @staticmethod
     def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send) -> SyncStats:

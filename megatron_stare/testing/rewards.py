@@ -29,3 +29,11 @@ def parity_reward_raises_on_rank_1(response: str, answer: str, metadata: dict) -
     if os.environ.get("RANK") == "1":
         raise ValueError("verifier bug on rank 1")
     return parity_reward(response, answer, metadata)
+
+
+def digit_share_reward(response: str, answer: str, metadata: dict) -> float:
+    """The share of the response's non-space characters that are digits (0.0 when it has none):
+    a dense reward (a few percent on an untrained tiny model) with one optimum, 1.0, that any
+    policy writing only digit tokens reaches, so runs that learn end near the same value."""
+    chars = [c for c in response if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0

@@ -1,9 +1,16 @@
 """Weight groups between the trainer and out-of-process engines (servers), and the push over them.
 
 A server's workers and the trainer form one process group (trainer = rank 0, workers 1..W): the
-trainer hosts the rendezvous store on a free port of the address the servers route to
-(``free_port``, ``route_address``), each server is told over HTTP to join (a call that returns
-once its workers joined), and the trainer joins here. Two ways to form it: vLLM's stateless
+trainer hosts the rendezvous store on a socket it bound to a free port of the address the servers
+route to (``route_address``), each server is told over HTTP to join (a call that returns once its
+workers joined), and the trainer joins here.
+
+The trainer's store is its own, created on that pre-bound socket - never through torch's
+``tcp://`` rendezvous: under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) that rendezvous
+makes every rank, rank 0 included, a *client* of a store it assumes torchrun's agent hosts on
+the given port, so nobody hosts it and the group hangs until its timeout (seen: a vllm-server run
+under torchrun, 600 s). The socket is bound before a peer hears the port, so no other process
+can take it in between. Two ways to form it: vLLM's stateless
 helper (the vLLM servers, whose worker extension joins the same way) and
 ``init_named_weight_group`` (how SGLang's workers form theirs). ``form_group`` runs the servers'
 join calls in helper threads while this process joins; ``push_to_group`` runs their receive
@@ -73,14 +80,21 @@ class PeerCalls:
         return [e for e in self.errors if e is not None]
 
 
-def form_group(joins: Sequence[Callable[[int], object]], init_local: Callable[[int], G], host: str) -> G:
-    """Rank 0 of a new group with its rendezvous on a free port of ``host``: each ``join(port)``
-    runs in a thread while ``init_local(port)`` runs here; the first peer error is re-raised."""
-    port = free_port(host)
+def form_group(joins: Sequence[Callable[[int], object]], init_local: Callable[[int, socket.socket], G],
+               host: str) -> G:
+    """Rank 0 of a new group with its rendezvous store on a socket bound to a free port of
+    ``host``: each ``join(port)`` runs in a thread while ``init_local(port, listen_socket)`` runs
+    here and hosts the store on that socket (taking it over); the first peer error is re-raised."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    port = sock.getsockname()[1]
     calls = PeerCalls([lambda j=j: j(port) for j in joins])
     try:
-        group = init_local(port)
+        group = init_local(port, sock)
     finally:
+        sock.close()  # a no-op once the store took the socket over
         errors = calls.join()
     if errors:
         raise errors[0]
@@ -109,18 +123,22 @@ def push_to_group(group, device: torch.device, receives: Sequence[Callable[[], o
 
 def init_named_weight_group(host: str, port: int, rank: int, world_size: int, group_name: str,
                             backend: str, timeout_s: float = 600.0,
-                            register_as: Optional[str] = None) -> dist.ProcessGroup:
+                            register_as: Optional[str] = None,
+                            listen_socket: Optional[socket.socket] = None) -> dist.ProcessGroup:
     """One member of a named weight-update group formed like SGLang's workers form theirs in
-    ``init_weights_update_group``: TCP rendezvous at ``host:port`` (rank 0 hosts the store), a
-    prefix store named after the group. The trainer is rank 0. The default group, if any, is
-    left untouched. ``register_as``: the local registry name (default ``group_name``; two ends in
-    one process, as in tests, need distinct ones)."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
+    ``init_weights_update_group``: a TCP store at ``host:port`` that rank 0 hosts (on
+    ``listen_socket`` when given, which it takes over; the module docstring says why not torch's
+    rendezvous), a prefix store named after the group. The trainer is rank 0. The default group,
+    if any, is left untouched. ``register_as``: the local registry name (default ``group_name``;
+    two ends in one process, as in tests, need distinct ones)."""
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    if listen_socket is not None and rank != 0:
+        raise ValueError(f"only rank 0 hosts the store (listen_socket given to rank {rank})")
+    fd = {"master_listen_fd": listen_socket.detach()} if listen_socket is not None else {}
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False, **fd)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                       PrefixStore(group_name, store),
                                       group_name=register_as or group_name,

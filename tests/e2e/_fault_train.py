@@ -5,7 +5,8 @@
 STEP is the 1-based step (as in metrics.jsonl) during which the fault strikes; RANK the global
 rank it strikes (default: every rank). Kinds:
 
-- ``kill``: the rank dies like a SIGKILL (a real one) as the step starts;
+- ``kill``: the rank dies like a SIGKILL (a real one) as the step starts (asynchronous runs:
+  as its training starts, its batch taken from the rollout pipeline);
 - ``kill-in-generate``: the rank's rollout engine takes the rank down mid-rollout (a colocated
   engine's death is its rank's death; the ``hf`` engine lives on rank 0 only);
 - ``kill-in-save``: the rank dies inside the step's checkpoint save, at its first file move
@@ -28,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Optional, Tuple
 from unittest import mock
 
@@ -55,15 +56,30 @@ class FaultyTrainer(train.Trainer):
     fault: Tuple[str, int, Optional[int]] = ("kill", -1, None)
 
     def step(self, step: int) -> dict:
+        """A synchronous step (``trainer.staleness`` 0)."""
+        with self._fault(step, asynchronous=False):
+            return super().step(step)
+
+    def finish_step(self, step: int, *args, job=None, **kwargs) -> dict:
+        """An asynchronous step's second half (its batch came from the rollout pipeline)."""
+        if job is None:  # inside step(): the fault is in place already
+            return super().finish_step(step, *args, **kwargs)
+        with self._fault(step, asynchronous=True):
+            return super().finish_step(step, *args, job=job, **kwargs)
+
+    @contextmanager
+    def _fault(self, step: int, asynchronous: bool):
         kind, at, rank = self.fault
         if step + 1 != at or rank not in (None, self.rank):
-            return super().step(step)
+            yield
+            return
         with ExitStack() as stack:
             if kind == "kill":
                 _die()
             elif kind == "kill-in-generate":
-                if self.engine is None:
-                    raise SystemExit(f"--fault {kind}: rank {self.rank} has no rollout engine")
+                if self.engine is None or asynchronous:
+                    raise SystemExit(f"--fault {kind}: rank {self.rank} has no rollout engine, or the run is "
+                                     f"asynchronous (its generation runs ahead, in the pipeline)")
                 stack.enter_context(mock.patch.object(self.engine, "generate", _die))
             elif kind == "kill-in-save":
                 real = os.replace
@@ -83,7 +99,7 @@ class FaultyTrainer(train.Trainer):
                     return update(*args, **kwargs)
 
                 stack.enter_context(mock.patch.object(self.actor, "update", signalled_update))
-            return super().step(step)
+            yield
 
 
 def main(argv=None) -> int:

@@ -116,7 +116,26 @@ def test_sglang_server_started_with_the_spec_command(models):
         _, eng = engine_for_rank(cfg, EngineWorld(cuda=True))  # attaches, checks /server_info
         eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(b))
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
+        _check_partial_rollout_across_a_swap(eng, a, b, ref_b)
         eng.shutdown()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def _check_partial_rollout_across_a_swap(eng, a, b, ref_b):
+    """Asynchronous training's partial rollouts on the real server: 3 greedy tokens under B
+    (version 0), the weights swapped to A, the rest under A (version 1) from prompt + prefix:
+    B's tokens then A's greedy continuation, each token's log-prob its version's."""
+    from megatron_stare.rollout.partial import SegmentedBatch
+
+    batch = SegmentedBatch(PROMPTS, list(range(len(PROMPTS))), GREEDY, 3)
+    batch.advance(eng, 0)
+    eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(a))
+    while not batch.finished:
+        batch.advance(eng, 1)
+    for r, (toks_b, lps_b) in zip(batch.results(), ref_b):
+        assert r.token_ids[:3] == toks_b[:3] and r.versions == [0] * 3 + [1] * (MAX_NEW - 3)
+        [(toks_a, lps_a)] = reference_outputs(a, [PROMPTS[r.prompt_index] + toks_b[:3]], MAX_NEW - 3)
+        assert r.token_ids[3:] == toks_a
+        assert torch.allclose(r.logprobs, torch.cat([lps_b[:3], lps_a]), atol=1e-4)

@@ -75,10 +75,28 @@ def test_overrides_are_typed(files):
     (["rollout.top_p=0"], 1, "rollout.top_p must be in (0, 1]"),
     (["parallel=3"], 1, "parallel must be a mapping (section)"),
     (["trainer.eval_every=5"], 1, "trainer.eval_every > 0 needs data.eval_path"),
+    (["trainer.staleness=1"], 2, "trainer.staleness=1 needs a server engine that generates while the "
+                                 "trainer trains, but rollout.engine=hf"),
+    (["trainer.staleness=-1"], 1, "trainer.staleness must be >= 0"),
+    (["trainer.staleness=1", "rollout.engine=vllm-server", "trainer.dynamic_sampling=true"], 2,
+     "trainer.staleness=1 with trainer.dynamic_sampling=true"),
+    (["trainer.ratio_mask_low=1.5"], 1, "trainer.ratio_mask_low must be in (0, 1]"),
+    (["trainer.ratio_mask_high=0.9"], 1, "trainer.ratio_mask_high must be >= 1"),
+    (["trainer.partial_rollout_tokens=4"], 1, "trainer.partial_rollout_tokens=4 needs trainer.staleness >= 1"),
+    (["trainer.partial_rollout_tokens=-1"], 1, "trainer.partial_rollout_tokens must be >= 0"),
+    (["trainer.partial_segments_per_version=0"], 1, "trainer.partial_segments_per_version must be >= 1"),
+    (["trainer.partial_rollout_tokens=4", "trainer.staleness=1", "rollout.engine=vllm-server",
+      "rollout.multi_turn.env=calculator"], 2, "partial rollouts cut single-turn responses only"),
 ])
 def test_bad_input_gives_one_clear_line(files, overrides, world, needle):
     msg = _error(overrides, files, world_size=world)
     assert needle in msg, msg
+
+
+def test_staleness_accepts_a_server_engine(files):
+    cfg = validate_config(load_config(None, files + ["trainer.staleness=2", "rollout.engine=vllm-server",
+                                                     "trainer.ratio_mask_high=inf"]), world_size=2, cuda=False)
+    assert (cfg.trainer.staleness, cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high) == (2, 0.5, float("inf"))
 
 
 def test_sequence_parallel_distributed_optimizer_and_bf16_validate_on_cpu(files):

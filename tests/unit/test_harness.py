@@ -14,6 +14,9 @@ def _sum_ranks(rank, world_size):
 
 
 def _fail_on_one(rank, world_size):
+    # Both ranks through init first: a rank 0 that returned (and tore its group down) before rank
+    # 1 finished gloo's connection mesh failed rank 1's init instead (seen under load).
+    dist.barrier()
     if rank == 1:
         raise ValueError("boom on rank one")
     return rank

@@ -350,8 +350,7 @@ def _serve_fake(queue, info):
 SERVER_INFO = {"tp_size": 1, "dtype": "bfloat16", "context_length": 4096, "skip_tokenizer_init": True}
 
 
-@pytest.fixture(scope="module")
-def fake_server():
+def _fake_server_process():
     import multiprocessing as mp
 
     assert set(SERVER_INFO) <= set(API["server_args"])  # /server_info reports ServerArgs fields
@@ -364,6 +363,12 @@ def fake_server():
     finally:
         proc.kill()
         proc.join()
+
+
+#: A fake server, shared by the module's tests (it joins one weight group in its life).
+fake_server = pytest.fixture(scope="module")(_fake_server_process)
+#: One of its own, for a test that forms its own weight group.
+own_fake_server = pytest.fixture(_fake_server_process)
 
 
 def test_server_attaches_from_a_config_file_and_checks_the_server(fake_server, tmp_path):
@@ -381,7 +386,8 @@ def test_server_attaches_from_a_config_file_and_checks_the_server(fake_server, t
                             f"`python -m megatron_stare.rollout.server_cmd` prints")
 
 
-def test_server_adapter_distributed_update_over_gloo(fake_server):
+def test_server_adapter_distributed_update_over_gloo(fake_server, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # a torchrun worker (weight_sync/groups.py)
     eng = SGLangServerEngine(base_url=fake_server, weight_backend="gloo", bucket_bytes=20_000,
                              request_timeout_s=60)
     try:
@@ -403,6 +409,53 @@ def test_server_adapter_distributed_update_over_gloo(fake_server):
         assert [r.token_ids for r in eng.generate([[3, 4], [5]], params)] == [r.token_ids for r in res]
     finally:
         eng.shutdown()
+
+
+def test_server_adapter_runs_partial_rollouts_in_the_pipeline_worker(own_fake_server):
+    """Asynchronous training on an SGLang server (the fake answers in SGLang's real format; the
+    real one: tests/gpu/test_sglang_gpu.py). The pipeline's worker thread generates a batch's
+    first segment under the weights of its launch version; after the drain the main thread pushes
+    the next version, and the rest of each response continues from prompt + prefix under the new
+    weights: exactly the tokens those weights give that context, each token labelled with its
+    version."""
+    from dataclasses import replace
+
+    from megatron_stare.rollout.async_loop import RolloutPipeline
+    from megatron_stare.rollout.partial import SegmentedBatch, segment_seed
+
+    eng = SGLangServerEngine(base_url=own_fake_server, weight_backend="gloo", bucket_bytes=20_000,
+                             request_timeout_s=60)
+    prompts, params = [[3, 4], [5]], SamplingParams(n=2, max_new_tokens=7, seed=11)
+
+    def advance(job, version):  # one 3-token segment per round
+        if job.work is None:
+            job.work = SegmentedBatch(prompts, [0, 1], params, 3)
+        job.work.advance(eng, version)
+        if job.work.finished:
+            job.results = job.work.results()
+        return job.work.finished
+
+    pipe = RolloutPipeline(1, lambda step: step, advance=advance)
+    try:
+        eng.update_weights(iter(_named(0)))
+        pipe.take(0, 0)
+        pipe.launch_ahead(0, 0, end=2)  # step 1's batch starts under version 0, in the worker
+        pipe.drain()
+        eng.update_weights(iter(_named(1)))  # version 1
+        job = pipe.take(1, 1)  # its remaining segments inline, under version 1
+        first = eng.generate(prompts, replace(params, max_new_tokens=3))  # under version 1
+    finally:
+        pipe.close()
+    assert job.version == 0 and [(sp.version, sp.step) for sp in job.spans] == [(0, 1), (1, 1), (1, 1)]
+    for r, v1 in zip(job.results, first):
+        assert r.versions == [0] * 3 + [1] * 4 and len(r.token_ids) == 7
+        assert r.token_ids[:3] != v1.token_ids  # the first segment is version 0's
+        p = r.prompt_index * params.n + r.sample_index
+        cont = eng.generate([prompts[r.prompt_index] + r.token_ids[:3]],
+                            replace(params, n=1, max_new_tokens=3, seed=segment_seed(params.seed, 1)),
+                            prompt_indices=[p])[0]
+        assert r.token_ids[3:6] == cont.token_ids and torch.equal(r.logprobs[3:6], cont.logprobs)
+    eng.shutdown()
 
 
 def test_server_adapter_names_a_dead_server():

@@ -39,12 +39,19 @@ def server(tmp_path_factory):
     a = build_tiny_hf_model("qwen2", root / "A", seed=0)
     b = build_tiny_hf_model("qwen2", root / "B", seed=1)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the spawned server inherits it
-    _, eng = engine_from_config_file(write_engine_config(root / "run.yaml", a, engine="vllm-server",
-                                                         sync_bucket_mb=1))
-    try:
-        yield eng, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW), root
-    finally:
-        eng.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        # As in a torchrun worker, where torch's tcp:// rendezvous would not host the weight
+        # group's store (weight_sync/groups.py) and whose variables the spawned server must not
+        # take for its own: the server starts and the group forms all the same.
+        for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none", "RANK": "0",
+                     "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}.items():
+            mp.setenv(k, v)
+        _, eng = engine_from_config_file(write_engine_config(root / "run.yaml", a, engine="vllm-server",
+                                                             sync_bucket_mb=1))
+        try:
+            yield eng, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW), root
+        finally:
+            eng.shutdown()
     assert eng._proc is None
 
 

@@ -286,7 +286,9 @@ class Trainer:
             batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
             stats = self.actor.compute_logprobs(batches)
             if self.gepo is not None:
-                self._shape_gepo(batches, len({s.group_id for s in samples}))
+                from megatron_stare.algorithms.gepo import shape_batches
+
+                shape_batches(self.gepo, batches, len({s.group_id for s in samples}), self.groups.dp_cp_group)
         state = self.controller.update(stats.entropy)
         plans = self.actor.loss_plans(batches, step, state)
         dynamics = self.actor.entropy_diagnostics(batches, plans)
@@ -298,22 +300,6 @@ class Trainer:
                   f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
                   flush=True)
         return result, stats, state, dynamics
-
-    def _shape_gepo(self, batches, num_groups: int) -> None:
-        from megatron_stare.algorithms.gepo import group_token_mean
-        from megatron_stare.types import cat_padded
-
-        flat = [mb for mini in batches for mb in mini]
-        gid = torch.cat([mb.group_ids for mb in flat])
-        ent = group_token_mean(cat_padded([mb.entropy for mb in flat]),
-                               cat_padded([mb.loss_mask for mb in flat], False), gid, num_groups,
-                               dp_group=self.groups.dp_cp_group)
-        out = self.gepo(torch.cat([mb.advantages for mb in flat]).double(), ent, gid)
-        adv = out.advantages.float()
-        offset = 0
-        for mb in flat:
-            mb.advantages = adv[offset: offset + mb.advantages.numel()]
-            offset += mb.advantages.numel()
 
     def sync_weights(self) -> None:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""

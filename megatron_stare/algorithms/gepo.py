@@ -30,6 +30,7 @@ from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
 from megatron_stare.algorithms.config import GepoConfig
+from megatron_stare.types import cat_padded
 
 
 def group_token_mean(
@@ -133,3 +134,18 @@ class GepoShaper:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = GepoState(**state)
+
+
+def shape_batches(shaper: GepoShaper, batches, num_groups: int, dp_group: Optional[dist.ProcessGroup]) -> None:
+    """GEPO on the trainer's prepared batches (mini-batches of micro-batches, after the log-prob
+    pass filled ``entropy``): each micro-batch's ``advantages`` ``[B]`` replaced in place by the
+    shaped ones. The group means of token entropy are reduced over ``dp_group`` (collective)."""
+    flat = [mb for mini in batches for mb in mini]
+    gid = torch.cat([mb.group_ids for mb in flat])
+    ent = group_token_mean(cat_padded([mb.entropy for mb in flat]),
+                           cat_padded([mb.loss_mask for mb in flat], False), gid, num_groups, dp_group=dp_group)
+    adv = shaper(torch.cat([mb.advantages for mb in flat]).double(), ent, gid).advantages.float()
+    offset = 0
+    for mb in flat:
+        mb.advantages = adv[offset: offset + mb.advantages.numel()]
+        offset += mb.advantages.numel()

@@ -305,9 +305,10 @@ class Trainer:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
         from megatron_stare.models.export import iter_hf_buckets
 
+        colocated = self.engine_spec.traits.colocated  # else pieces: two buckets on the sending rank
         buckets = iter_hf_buckets(self.actor.model, self.groups, self.model_spec,
                                   bucket_bytes=self.engine_spec.sync_bucket_bytes,
-                                  dst="all" if self.engine_spec.traits.colocated else DRIVER)
+                                  dst="all" if colocated else DRIVER, pieces=not colocated)
         if self.engine is None:
             for _ in buckets:
                 pass
@@ -315,15 +316,16 @@ class Trainer:
         if not self.cfg.rollout.verify_sync:
             self.engine.update_weights_from_buckets(buckets)
             return
-        from megatron_stare.weight_sync import compare_checksums, tensor_checksum
+        from megatron_stare.weight_sync import Assembler, compare_checksums, tensor_checksum
 
-        expected = {}
+        expected, joined = {}, Assembler()
 
         def watched():
             for bucket in buckets:
-                for name, tensor in bucket:
+                for name, tensor in joined.feed(bucket):
                     expected[name] = tensor_checksum(tensor)
                 yield bucket
+            joined.close()
 
         self.engine.update_weights_from_buckets(watched())
         bad = compare_checksums(expected, self.engine.checksum(sorted(expected)))

@@ -45,6 +45,7 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron_stare.models.export_pieces import find_collector, piece_buckets, stage_pieces
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import full_shape, gather_canonical, local_params
@@ -156,21 +157,33 @@ def _received(link, dev, staging: StagingBuffer, stats: ExportStats) -> Iterator
 
 def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: int = 512 << 20,
                     *, dst: Union[str, int] = "all", dtype: Optional[torch.dtype] = None,
-                    stats: Optional[ExportStats] = None) -> Iterator[FlatBucket]:
+                    stats: Optional[ExportStats] = None, pieces: bool = False) -> Iterator[FlatBucket]:
     """Yield the model's HF tensors as ``FlatBucket``s on the destination rank(s).
 
     ``dst``: ``"all"`` or a global rank (see the module docstring). ``dtype`` casts every
     tensor (e.g. to bf16 for the engine) before packing; default keeps the parameter dtype.
     Buckets arrive stage by stage in the model's parameter order. ``stats`` (optional) is
     filled with bucket counts and sizes and this rank's peak exporter memory.
+
+    ``pieces`` (with a single ``dst``; the weight sync to an engine behind a process group):
+    tensors travel as pieces written straight into the buckets (``export_pieces``): buckets of
+    at most ``bucket_bytes``, no gather buffer, peak two buckets on ``dst``. Read such buckets
+    with ``weight_sync.assemble``; iterating one tensor by tensor refuses. Whole tensors
+    (``pieces=False``) are what a checkpoint writer needs.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if dst != "all" and not (isinstance(dst, int) and 0 <= dst < dist.get_world_size()):
         raise ValueError(f"dst must be 'all' or a global rank in [0, {dist.get_world_size()}), got {dst!r}")
+    if pieces and dst == "all":
+        raise ValueError("iter_hf_buckets(pieces=True) streams to one rank: pass dst=<global rank> "
+                         "(dst='all' exports whole tensors)")
     stats = stats if stats is not None else ExportStats()
     pp, me, dev = groups.layout.pp, dist.get_rank(), groups.device
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
+    if pieces:
+        yield from _piece_export(model, groups, spec, bucket_bytes, dst, dtype, stats, pp_ranks)
+        return
     local = _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats)
 
     # Received buckets land in two reused buffers (one may still be in flight to an engine).
@@ -209,6 +222,42 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
         send_end(send_link(dst), dev)
         return
     for s in range(pp):
+        if s == groups.pp_rank:
+            yield from local
+        else:
+            yield from _received(recv_link(pp_ranks[s]), dev, staging, stats)
+
+
+def _piece_export(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: int, dst: int,
+                  dtype: Optional[torch.dtype], stats: ExportStats, pp_ranks) -> Iterator[FlatBucket]:
+    """``iter_hf_buckets(pieces=True)``: each stage's collector (the member of ``dst``'s pipeline
+    group) builds its stage's buckets from pieces; other stages' collectors send theirs to
+    ``dst``, which takes them into the same two staging slots as its own."""
+    if dst not in group_ranks(groups.mp_group):
+        return  # another data-parallel replica streams to dst
+    me, dev, tp = dist.get_rank(), groups.device, groups.layout.tp
+    tp_ranks = group_ranks(groups.tp_group) if tp > 1 else [me]
+    collector = find_collector(groups.tp_group, tp, dst in pp_ranks, dev)
+    staging = StagingBuffer(dev, slots=2)  # own buckets and, on dst, the other stages' buckets
+    plan = stage_pieces(model, mapping_for(spec), tp, groups.tp_rank)
+    local = piece_buckets(plan, bucket_bytes, dtype=dtype, device=dev, tp_ranks=tp_ranks, tp_rank=groups.tp_rank,
+                          collector=collector, staging=staging, stats=stats)
+    if groups.tp_rank != collector:
+        for _ in local:  # send this rank's pieces to the collector
+            pass
+        return
+    if me != dst:
+        in_flight = None  # bucket k travels to dst while bucket k+1 is filled
+        for bucket in local:
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = send_bucket_async(send_link(dst), isend_link(dst), bucket, dev)
+            del bucket
+        if in_flight is not None:
+            in_flight.wait()
+        send_end(send_link(dst), dev)
+        return
+    for s in range(groups.layout.pp):
         if s == groups.pp_rank:
             yield from local
         else:

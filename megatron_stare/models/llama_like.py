@@ -30,7 +30,7 @@ those to the local-spec names, so one table serves both specs.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -57,6 +57,16 @@ _EMBED, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _HF_EMBED, _HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 GetHF = Callable[[str], torch.Tensor]
+
+
+class HFRows(NamedTuple):
+    """One HF tensor as dim-0 row runs of a canonical tensor: HF rows ``[hf_row, hf_row + n)``
+    are canonical rows ``[canonical_row, canonical_row + n)`` for each ``(hf_row,
+    canonical_row, n)`` in ``runs`` (in HF row order; together they cover the HF tensor)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    runs: Tuple[Tuple[int, int, int], ...]
 
 
 def _local_suffix(suffix: str) -> str:
@@ -153,6 +163,27 @@ class LlamaLikeMapping:
             gate, up = tensor.chunk(2, dim=0)
             return [(names[0], gate.contiguous()), (names[1], up.contiguous())]
         return [(names[0], tensor)]
+
+    def hf_rows(self, canonical: str, shape: Tuple[int, ...]) -> List[HFRows]:
+        """``to_hf`` as row maps, for an export that never materialises the canonical tensor:
+        each HF tensor of ``canonical`` (of ``shape``) with the runs of dim-0 rows it takes from
+        it, ``(hf_row, canonical_row, count)``. Equal to ``to_hf`` row for row (tested)."""
+        if canonical == _OUTPUT and self.spec.tie_word_embeddings:
+            return []
+        names, rest = self.hf_sources(canonical), tuple(shape[1:])
+        if canonical in (_EMBED, _OUTPUT):
+            v = self.spec.vocab_size
+            return [HFRows(names[0], (v,) + rest, ((0, 0, v),))]
+        if ".linear_qkv." in canonical and not canonical.endswith("layer_norm_weight"):
+            ng, per, d = self._qkv_sizes()
+            group = (per + 2) * d
+            return [HFRows(names[0], (ng * per * d,) + rest, tuple((g * per * d, g * group, per * d) for g in range(ng))),
+                    HFRows(names[1], (ng * d,) + rest, tuple((g * d, g * group + per * d, d) for g in range(ng))),
+                    HFRows(names[2], (ng * d,) + rest, tuple((g * d, g * group + (per + 1) * d, d) for g in range(ng)))]
+        if canonical.endswith("mlp.linear_fc1.weight"):
+            f = shape[0] // 2
+            return [HFRows(names[0], (f,) + rest, ((0, 0, f),)), HFRows(names[1], (f,) + rest, ((0, f, f),))]
+        return [HFRows(names[0], tuple(shape), ((0, 0, shape[0]),))]
 
     def expected_hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """Every HF tensor a checkpoint of this spec holds, with its shape (checked on import)."""

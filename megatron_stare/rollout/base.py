@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 from torch import Tensor
 
-from ..weight_sync import TensorChecksum
+from ..weight_sync import TensorChecksum, assemble
 from .phases import EngineMemory
 
 if TYPE_CHECKING:
@@ -175,8 +175,9 @@ class RolloutEngine(ABC):
     def update_weights_from_buckets(self, buckets: Iterable) -> None:
         """``update_weights`` from a stream of buckets, each an iterable of ``(name, tensor)``
         (e.g. the Megatron export's ``weight_sync.FlatBucket``s). Byte transports override this to move
-        already-flat buckets without repacking them."""
-        self.update_weights(item for bucket in buckets for item in bucket)
+        already-flat buckets without repacking them. Tensors sent in pieces (the export's
+        ``pieces=True``) are joined first (``weight_sync.assemble``)."""
+        self.update_weights(assemble(buckets))
 
     # ------------------------------------------------------------------ memory phases
     @property

@@ -5,8 +5,9 @@ broadcast), checksums (``checksum``), and the weight groups engines form with th
 (``groups``). Used by the Megatron export, the HF checkpoint export and every rollout engine;
 everything outside imports the names below, nothing private."""
 
-from .bucket import (ALIGN_BYTES, HEADER_VERSION, FlatBucket, StagingBuffer, TensorMeta, decode_header,
-                     dtype_from_name, dtype_name, encode_header, iter_buckets, iter_flat_buckets, pack_stream)
+from .bucket import (ALIGN_BYTES, HEADER_VERSION, Assembler, FlatBucket, StagingBuffer, TensorMeta, decode_header,
+                     assemble, dtype_from_name, dtype_name, encode_header, iter_buckets, iter_flat_buckets,
+                     pack_stream)
 from .checksum import TensorChecksum, compare_checksums, tensor_checksum
 from .groups import PeerCalls, form_group, free_port, init_named_weight_group, push_to_group, route_address
 from .transport import (InProcessTransport, PeakMemory, ProcessGroupReceiver, ProcessGroupSender,
@@ -14,9 +15,9 @@ from .transport import (InProcessTransport, PeakMemory, ProcessGroupReceiver, Pr
 from .wire import (Pending, group_link, group_link_async, isend_link, recv_bucket, recv_link, send_bucket,
                    send_bucket_async, send_each, send_end, send_link)
 
-__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "FlatBucket", "InProcessTransport", "PeakMemory", "PeerCalls", "Pending",
+__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "InProcessTransport", "PeakMemory", "PeerCalls", "Pending",
            "ProcessGroupReceiver", "ProcessGroupSender", "StagingBuffer", "SyncStats", "TensorChecksum",
-           "TensorMeta", "compare_checksums", "decode_header", "dtype_from_name", "dtype_name",
+           "TensorMeta", "assemble", "compare_checksums", "decode_header", "dtype_from_name", "dtype_name",
            "encode_header", "form_group", "free_port", "group_link", "group_link_async", "init_named_weight_group", "isend_link",
            "iter_buckets", "iter_flat_buckets", "pack_stream", "push_to_group", "recv_bucket", "recv_link",
            "route_address", "send_bucket", "send_bucket_async", "send_each", "send_end", "send_link", "tensor_checksum"]

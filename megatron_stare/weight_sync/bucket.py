@@ -20,7 +20,15 @@ Two ways to fill buckets:
   the consumer dropped every view of the previous bucket), so no list of pending tensors is
   ever held: peak = one buffer + the tensor being produced. The Megatron export uses it.
 
-A single tensor larger than ``bucket_bytes`` travels alone in a bucket of its own size.
+A single tensor larger than ``bucket_bytes`` travels alone in a bucket of its own size - unless
+the producer cuts it into *pieces*: a header entry may describe a rectangular block of a larger
+tensor (``TensorMeta.full`` / ``start``: the whole tensor's shape and the block's offset in each
+dim). The Megatron export does this for the weight sync (``iter_hf_buckets(pieces=True)``): every
+TP rank's rows or column block of an HF tensor travels as its own piece, written straight into
+the bucket buffer, and a tensor is cut wherever a bucket is full, so buckets are never larger
+than ``bucket_bytes`` and the sender needs no gather buffer. A tensor's pieces are consecutive in
+the stream (possibly across buckets); ``Assembler`` / ``assemble`` turn them back into whole
+tensors on the receiving side.
 """
 
 from __future__ import annotations
@@ -32,16 +40,17 @@ from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optiona
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "FlatBucket", "StagingBuffer", "TensorMeta", "decode_header",
+__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "StagingBuffer", "TensorMeta", "decode_header",
            "dtype_from_name", "dtype_name", "encode_header", "iter_buckets", "iter_flat_buckets",
-           "pack_stream"]
+           "assemble", "pack_stream"]
 
 #: Every tensor starts at a multiple of this many bytes inside a flat buffer, so a typed view
 #: of its bytes is legal for every dtype (and aligned for vectorised copies).
 ALIGN_BYTES = 256
 
 #: Version of the JSON header; a receiver refuses any other (both ends run the same code).
-HEADER_VERSION = 1
+#: v2 added pieces (entries of 7 fields).
+HEADER_VERSION = 2
 
 _DTYPES: Dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -75,20 +84,37 @@ def nbytes_of(t: Tensor) -> int:
 
 
 class TensorMeta(NamedTuple):
-    """Where one HF tensor lives inside a flat bucket buffer: bytes ``[offset, offset+nbytes)``."""
+    """Where one HF tensor (or one piece of it) lives inside a flat bucket buffer: bytes
+    ``[offset, offset+nbytes)``, row-major, of ``shape``.
+
+    A piece has ``full`` (the whole tensor's shape) and ``start`` (the block's first index in
+    each dim): it is ``whole[start[0]:start[0]+shape[0], start[1]:start[1]+shape[1], ...]``.
+    Both are None for a whole tensor.
+    """
 
     name: str
     dtype: str
     shape: Tuple[int, ...]
     offset: int
     nbytes: int
+    full: Optional[Tuple[int, ...]] = None
+    start: Optional[Tuple[int, ...]] = None
+
+    @property
+    def is_piece(self) -> bool:
+        return self.full is not None
 
 
 def encode_header(metas: Sequence[TensorMeta]) -> bytes:
     """The header as compact JSON bytes: ``{"v": HEADER_VERSION, "tensors": [[name, dtype,
-    shape, offset, nbytes], ...]}``."""
-    return json.dumps({"v": HEADER_VERSION, "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes]
-                                                        for m in metas]}, separators=(",", ":")).encode()
+    shape, offset, nbytes(, full, start)], ...]}`` (the last two for pieces only)."""
+    rows = []
+    for m in metas:
+        row = [m.name, m.dtype, list(m.shape), m.offset, m.nbytes]
+        if m.full is not None:
+            row += [list(m.full), list(m.start)]
+        rows.append(row)
+    return json.dumps({"v": HEADER_VERSION, "tensors": rows}, separators=(",", ":")).encode()
 
 
 def decode_header(data: bytes, data_bytes: Optional[int] = None) -> List[TensorMeta]:
@@ -107,10 +133,18 @@ def decode_header(data: bytes, data_bytes: Optional[int] = None) -> List[TensorM
         raise bad(f"version {obj['v']!r}, expected {HEADER_VERSION}")
     metas, end = [], 0
     for i, row in enumerate(obj.get("tensors", [])):
-        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
-                and isinstance(row[2], list) and all(isinstance(v, int) and v >= 0 for v in (*row[2], row[3], row[4]))):
-            raise bad(f"entry {i} is not [name, dtype, shape, offset, nbytes]")
-        name, dtype, shape, offset, nb = row
+        if not (isinstance(row, list) and len(row) in (5, 7) and isinstance(row[0], str)
+                and all(isinstance(x, list) for x in (row[2], *row[5:]))
+                and all(isinstance(v, int) and v >= 0 for v in (*row[2], row[3], row[4], *sum(row[5:], [])))):
+            raise bad(f"entry {i} is not [name, dtype, shape, offset, nbytes] or a piece "
+                      f"[name, dtype, shape, offset, nbytes, full shape, start]")
+        name, dtype, shape, offset, nb = row[:5]
+        full = start = None
+        if len(row) == 7:
+            full, start = tuple(row[5]), tuple(row[6])
+            if not (len(full) == len(start) == len(shape)
+                    and all(a + n <= f for a, n, f in zip(start, shape, full))):
+                raise bad(f"{name!r}: piece of shape {shape} at {list(start)} does not lie inside {list(full)}")
         try:
             esize = torch.empty((), dtype=dtype_from_name(dtype)).element_size()
         except ValueError as e:
@@ -122,7 +156,7 @@ def decode_header(data: bytes, data_bytes: Optional[int] = None) -> List[TensorM
         end = offset + nb
         if data_bytes is not None and end > data_bytes:
             raise bad(f"{name!r}: bytes [{offset}, {end}) lie outside the {data_bytes}-byte buffer")
-        metas.append(TensorMeta(name, dtype, tuple(shape), offset, nb))
+        metas.append(TensorMeta(name, dtype, tuple(shape), offset, nb, full, start))
     return metas
 
 
@@ -156,10 +190,19 @@ class FlatBucket:
         return self.tensors()
 
     def tensors(self) -> Iterator[Tuple[str, Tensor]]:
-        """``(name, view)`` for every tensor, views into ``buffer`` with the original shape."""
+        """``(name, view)`` for every tensor, views into ``buffer`` with the original shape.
+        A bucket holding pieces refuses (ValueError): read it with ``Assembler`` / ``assemble``."""
+        if any(m.full is not None for m in self.metas):
+            raise ValueError("this bucket holds pieces of tensors (a weight-sync export with pieces=True): "
+                             "read it with weight_sync.assemble(buckets), not tensor by tensor")
+        for m, view in self.entries():
+            yield m.name, view
+
+    def entries(self) -> Iterator[Tuple[TensorMeta, Tensor]]:
+        """``(meta, view)`` for every entry, whole tensors and pieces alike (no copy)."""
         for m in self.metas:
             flat = self.buffer[m.offset:m.offset + m.nbytes]
-            yield m.name, flat.view(dtype_from_name(m.dtype)).reshape(m.shape)
+            yield m, flat.view(dtype_from_name(m.dtype)).reshape(m.shape)
 
     def header(self) -> bytes:
         """``encode_header(self.metas)``: what a byte transport sends before the buffer."""
@@ -321,3 +364,64 @@ def pack_stream(named_tensors: Iterable[Tuple[str, Tensor]], bucket_bytes: int, 
         bucket = FlatBucket(metas, flat[:used])
         flat = None
         yield bucket
+
+
+class Assembler:
+    """Whole tensors from a stream of bucket entries, pieces included.
+
+    ``feed(bucket)`` yields ``(name, tensor)``: a whole tensor as the bucket's own view (no
+    copy), a pieced one as a fresh tensor once its last piece arrived (its pieces must be
+    consecutive in the stream, in any order, and cover it exactly once). Extra memory: the one
+    tensor being assembled. ``close()`` fails if the stream ended inside a tensor.
+    """
+
+    def __init__(self):
+        self._name: Optional[str] = None
+        self._full: Optional[Tensor] = None
+        self._left = 0
+
+    def feed(self, bucket: "FlatBucket") -> Iterator[Tuple[str, Tensor]]:
+        for m, view in bucket.entries():
+            if m.full is None:
+                self._expect_none(m.name)
+                yield m.name, view
+                continue
+            if self._full is None:
+                self._name, self._left = m.name, _numel(m.full)
+                self._full = torch.empty(m.full, dtype=view.dtype, device=view.device)
+            elif m.name != self._name or m.full != tuple(self._full.shape) or view.dtype != self._full.dtype:
+                raise ValueError(f"weight stream: piece of {m.name!r} {m.dtype}{list(m.full)} arrived while "
+                                 f"{self._name!r} was incomplete ({self._left} elements missing)")
+            self._full[tuple(slice(a, a + n) for a, n in zip(m.start, m.shape))].copy_(view)
+            self._left -= view.numel()
+            del view
+            if self._left < 0:
+                raise ValueError(f"weight stream: the pieces of {self._name!r} overlap (more elements than it has)")
+            if self._left == 0:
+                name, full = self._name, self._full
+                self._name = self._full = None
+                yield name, full
+                del full
+
+    def close(self) -> None:
+        if self._full is not None:
+            self._expect_none("the end of the stream")
+
+    def _expect_none(self, what: str) -> None:
+        if self._full is not None:
+            raise ValueError(f"weight stream: {what} arrived while {self._name!r} was incomplete "
+                             f"({self._left} elements missing)")
+
+
+def assemble(buckets: Iterable) -> Iterator[Tuple[str, Tensor]]:
+    """``(name, whole tensor)`` for every tensor of a stream of ``FlatBucket``s (pieces joined by
+    an ``Assembler``; whole tensors are views into their bucket). Other buckets (iterables of
+    ``(name, tensor)``) pass through."""
+    asm = Assembler()
+    for bucket in buckets:
+        if isinstance(bucket, FlatBucket):
+            yield from asm.feed(bucket)
+        else:
+            yield from bucket
+        del bucket
+    asm.close()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import wire
-from .bucket import FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
+from .bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
 
 __all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender", "SyncStats"]
 
@@ -151,7 +151,9 @@ class ProcessGroupReceiver:
 
     ``receive()`` is a generator of ``(name, tensor)`` views into the bucket's buffer (a
     ``StagingBuffer``, reused only once no view of it survives, also across syncs when the
-    receiver is kept); pass it straight to a weight loader. ``stats`` is filled as it runs.
+    receiver is kept); pass it straight to a weight loader. A tensor sent in pieces (the
+    Megatron export's ``pieces=True``) is joined first and yielded whole (``Assembler``: one
+    extra tensor here while it arrives). ``stats`` is filled as it runs.
     """
 
     def __init__(self, group: dist.ProcessGroup, root: int = 0, device: Optional[torch.device] = None):
@@ -164,14 +166,16 @@ class ProcessGroupReceiver:
         self.stats = SyncStats()
         t0 = time.perf_counter()
         link = wire.group_link(self.group, self.root)
+        asm = Assembler()
         while (bucket := wire.recv_bucket(link, self.device, self.staging)) is not None:
             self.stats.num_buckets += 1
-            for name, view in bucket:
+            for name, view in asm.feed(bucket):
                 self.stats.num_tensors += 1
                 self.stats.bytes += view.numel() * view.element_size()
                 yield name, view
                 del view
             del bucket
+        asm.close()
         self.stats.seconds = time.perf_counter() - t0
 
 

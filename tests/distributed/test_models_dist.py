@@ -70,6 +70,7 @@ def _layout_worker(rank, world, tp, pp, models, tokens, ckpt_root, export, save,
             got0 = {n: t.clone() for b in iter_hf_buckets(model, groups, spec, BUCKET, dst=0)
                     for n, t in b}
             r["export_dst0"] = _exact(got0, ref) if rank == 0 else not got0
+            r["pieces"] = _piece_export(rank, model, groups, spec, ref)
         if save:
             save_model(model, groups, Path(ckpt_root) / f"{fam}_tp{tp}pp{pp}", spec)
         if load_tag is not None:
@@ -86,6 +87,30 @@ def _layout_worker(rank, world, tp, pp, models, tokens, ckpt_root, export, save,
                 except ValueError as e:
                     r["damaged_error"] = str(e)
         out[fam] = r
+    return out
+
+
+def _piece_export(rank, model, groups, spec, ref):
+    """The weight sync's export (``pieces=True``, dst rank 0, fp32 and bf16): rank 0 writes each
+    piece into preallocated HF tensors (allocated before the measurement, so the allocator's
+    peak is the exporter's own), every rank measures its peak extra memory."""
+    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.weight_sync import PeakMemory
+
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        want = {n: t.to(dtype or t.dtype) for n, t in ref.items()}
+        got = {n: torch.full_like(t, float("nan")) for n, t in want.items()} if rank == 0 else {}
+        sizes, n_pieces, stats = [], 0, ExportStats()
+        with PeakMemory() as mem:
+            for b in iter_hf_buckets(model, groups, spec, BUCKET, dst=0, dtype=dtype, stats=stats, pieces=True):
+                sizes.append(b.nbytes)
+                for m, view in b.entries():
+                    n_pieces += m.is_piece
+                    got[m.name][tuple(slice(a, a + k) for a, k in zip(m.start or (0,) * view.dim(), m.shape))] = view
+                del b, m, view
+        out[dtype] = {"exact": _exact(got, want) if rank == 0 else not got, "sizes": sizes,
+                      "pieces": n_pieces, "peak": mem.peak_bytes}
     return out
 
 
@@ -155,6 +180,23 @@ def test_export_memory_is_bounded_by_the_bucket(runs, tp, pp):
             # one bucket buffer + the tensor in flight (canonical + its HF pieces)
             assert s.peak_live_bytes <= max(BUCKET, s.max_tensor_bytes) + 2 * r["largest_param"], (fam, s)
             assert r["held"] == 0, f"{fam}: the exporter kept a bucket alive after yielding the next"
+
+
+@pytest.mark.parametrize("tp,pp", [(tp, pp) for _, tp, pp in LAYOUTS], ids=IDS)
+def test_piece_export_is_exact_in_buckets_of_at_most_the_bucket_size(runs, tp, pp):
+    """The weight sync's export (pieces written straight into the buckets): every HF tensor
+    bit-exact on rank 0 (fp32, and cast to bf16), no bucket above the bucket size although the
+    embedding is larger, and no rank above two buckets of extra memory (rank 0 drops each
+    bucket before the next, a stage that hands its buckets to rank 0 keeps one in flight)."""
+    for rank, per_fam in enumerate(runs[(tp, pp)]):
+        for fam, r in per_fam.items():
+            for dtype, x in r["pieces"].items():
+                where = f"{fam} rank {rank} {dtype}"
+                assert x["exact"], f"{where}: piece export differs from the HF input (or data off rank 0)"
+                if rank == 0:
+                    assert x["pieces"] > 0 and len(x["sizes"]) > 10, where  # not vacuous
+                    assert max(x["sizes"]) <= BUCKET, (where, max(x["sizes"]))
+                assert x["peak"] <= 2 * BUCKET + (16 << 10), (where, x["peak"])
 
 
 @pytest.mark.parametrize("tp,pp,src", [(2, 2, "tp1pp1"), (2, 1, "tp2pp2"), (1, 2, "tp2pp2"),

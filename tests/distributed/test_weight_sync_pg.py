@@ -6,6 +6,11 @@
    measured on BOTH ranks during the sync is bounded by the bucket size.
 2. A Megatron model at TP2 built from B streams itself (``models.export.iter_hf_buckets``,
    dst rank 0) into an ``hf`` engine holding A on rank 0: same equality.
+3. The trainer's sync to an engine process: a Megatron replica at TP2 (ranks 0-1 of a DP2xTP2
+   world) exports in pieces (``pieces=True``) and rank 0 broadcasts the buckets, one in flight
+   while the next is filled, to an ``hf`` engine on rank 2: same equality, and the sending
+   rank's peak extra memory stays within two buckets although the embedding is larger than a
+   bucket (the whole-tensor export of the same model needs more: the bound is not vacuous).
 """
 
 from __future__ import annotations
@@ -115,3 +120,63 @@ def test_megatron_tp2_export_streams_into_engine(models):
     a, b, ref_b = models
     results = run_on_ranks(_export_worker, 2, str(a), str(b), 48 << 10)
     _check(results[0], ref_b)
+
+
+PIECE_BUCKET = 64 << 10  # below the embedding (397 x 128 fp32 = 203 KB)
+
+
+def _piece_sync_worker(rank, world, a_dir, b_dir):
+    import torch.distributed as dist
+
+    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.models.provider import build_from_hf
+    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.rollout import SamplingParams, build_engine
+    from megatron_stare.weight_sync import PeakMemory, ProcessGroupReceiver, ProcessGroupSender
+
+    groups = init_distributed(ParallelLayout.from_world(world, tp=2))  # replicas {0, 1} and {2, 3}
+    link = dist.new_group([0, 2])
+    if rank == 2:  # the engine process (its replica has nothing to export to rank 0)
+        engine = build_engine("hf", a_dir, device="cpu")
+        recv = ProcessGroupReceiver(link, root=0)
+        out = {}
+        for pieces in (True, False):
+            engine.update_weights(recv.receive())
+            res = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True))
+            out[pieces] = [(r.token_ids, r.logprobs) for r in res]
+        return out
+    if rank == 3:
+        return None
+    model, spec, _ = build_from_hf(b_dir, groups, make_vocab_size_divisible_by=16)
+    out = {}
+    for pieces in (True, False):
+        buckets = iter_hf_buckets(model, groups, spec, PIECE_BUCKET, dst=0, pieces=pieces)
+        if rank == 1:
+            for _ in buckets:  # this rank's pieces (or TP gathers) for rank 0
+                pass
+            continue
+        sizes = []
+
+        def watched():
+            for b in buckets:
+                sizes.append(b.nbytes)
+                yield b
+                del b
+
+        sender = ProcessGroupSender(link, root=0)
+        with PeakMemory() as mem:
+            sender.send_buckets(watched())
+        out[pieces] = {"peak": mem.peak_bytes, "max_bucket": max(sizes), "buckets": len(sizes)}
+    return out
+
+
+def test_piece_export_syncs_an_engine_process_within_two_buckets(models):
+    a, b, ref_b = models
+    sender, _, engine, _ = run_on_ranks(_piece_sync_worker, 4, str(a), str(b))
+    for pieces in (True, False):
+        _check(engine[pieces], ref_b)
+    p, w = sender[True], sender[False]
+    assert p["max_bucket"] <= PIECE_BUCKET < w["max_bucket"], (p, w)
+    assert p["buckets"] > 10
+    assert p["peak"] <= 2 * PIECE_BUCKET + HEADER_SLACK, p
+    assert w["peak"] > 2 * PIECE_BUCKET + HEADER_SLACK, w  # the whole-tensor export: gather buffer, big buckets

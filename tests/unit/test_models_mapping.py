@@ -137,6 +137,35 @@ def test_hf_to_canonical_to_hf_is_exact(cfg):
         assert mapping.to_hf("output_layer.weight", torch.zeros(vp, 64)) == []
 
 
+@pytest.mark.parametrize("cfg", [QWEN25_7B, LLAMA31_8B, QWEN3_06B], ids=["qwen2", "llama", "qwen3"])
+def test_hf_row_maps_equal_to_hf(cfg):
+    """The piece export's row maps (``hf_rows``) give every HF tensor exactly as ``to_hf``
+    does: same names, shapes and rows (QKV groups, gate/up halves, the vocabulary unpadded)."""
+    shrink = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                  num_key_value_heads=2, vocab_size=101, head_dim=8)
+    spec = spec_from_hf_config({**cfg, **shrink}, make_vocab_size_divisible_by=8)
+    mapping, vp = mapping_for(spec), spec.padded_vocab_size(1)
+    g = torch.Generator().manual_seed(0)
+    names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+    names += [f"decoder.layers.0.{s}" for s in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                                "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
+                                                "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+    shapes = {"embedding": (vp, 64), "output_layer": (vp, 64), "norm": (64,), "linear_qkv.weight": (8 * 10, 64),
+              "linear_qkv.bias": (80,), "linear_proj": (64, 48), "fc1": (192, 64), "fc2": (64, 96)}
+    for name in names:
+        shape = next(v for k, v in shapes.items() if k in name)
+        canon = torch.randn(shape, generator=g)
+        want = mapping.to_hf(name, canon)
+        got = []
+        for hf in mapping.hf_rows(name, shape):
+            out = torch.full(hf.shape, float("nan"))
+            for hf_row, c_row, n in hf.runs:
+                out[hf_row:hf_row + n] = canon[c_row:c_row + n]
+            got.append((hf.name, out))
+        assert [n for n, _ in got] == [n for n, _ in want], name
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want)), name
+
+
 def test_te_fused_norm_names_map_like_local_ones():
     spec = spec_from_hf_config({**LLAMA31_8B, "num_hidden_layers": 1})
     m = mapping_for(spec)

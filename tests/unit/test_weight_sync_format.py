@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_stare.weight_sync import (ALIGN_BYTES, HEADER_VERSION, FlatBucket, StagingBuffer, TensorMeta,
-                                        decode_header, encode_header, pack_stream, recv_bucket, send_bucket,
-                                        send_end)
+from megatron_stare.weight_sync import (ALIGN_BYTES, HEADER_VERSION, Assembler, FlatBucket, StagingBuffer,
+                                        TensorMeta, assemble, decode_header, encode_header, pack_stream,
+                                        recv_bucket, send_bucket, send_end)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,8 +105,72 @@ def test_bad_headers_fail_in_one_line(data, match):
 
 
 def test_header_encodes_the_metas_exactly():
-    metas = [TensorMeta("x", "bfloat16", (2, 0), 0, 0), TensorMeta("y", "float32", (), 256, 4)]
-    assert decode_header(encode_header(metas), 260) == metas
+    metas = [TensorMeta("x", "bfloat16", (2, 0), 0, 0), TensorMeta("y", "float32", (), 256, 4),
+             TensorMeta("z", "float32", (2, 3), 512, 24, (5, 6), (1, 3))]  # a piece
+    assert decode_header(encode_header(metas), 768) == metas
+    assert [m.is_piece for m in metas] == [False, False, True]
+
+
+@pytest.mark.parametrize("row,match", [
+    (["a", "float32", [2, 3], 0, 24, [5, 6], [4, 0]], "does not lie inside"),   # rows 4..6 of 5
+    (["a", "float32", [2, 3], 0, 24, [5, 6], [0, 4]], "does not lie inside"),   # cols 4..7 of 6
+    (["a", "float32", [2, 3], 0, 24, [6], [0]], "does not lie inside"),         # rank differs
+    (["a", "float32", [2, 3], 0, 24, [5, 6]], "entry 0 is not"),               # 6 fields
+    (["a", "float32", [2, 3], 0, 24, [5, 6], [0, -1]], "entry 0 is not"),
+])
+def test_bad_piece_headers_fail_in_one_line(row, match):
+    with pytest.raises(ValueError, match=match):
+        decode_header(_header([row]), 256)
+
+
+def _pieces(whole: torch.Tensor, name: str, cuts):
+    """``whole`` as pieces ``[(rows, cols)]`` blocks, packed one bucket per entry of ``cuts``
+    (a list of lists of ((r0, r1), (c0, c1)))."""
+    buckets = []
+    for blocks in cuts:
+        metas, offset, parts = [], 0, []
+        for (r0, r1), (c0, c1) in blocks:
+            part = whole[r0:r1, c0:c1].contiguous()
+            nb = part.numel() * part.element_size()
+            metas.append(TensorMeta(name, "float32", tuple(part.shape), offset, nb, tuple(whole.shape), (r0, c0)))
+            parts.append((offset, part))
+            offset = (offset + nb + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        buf = torch.zeros(offset, dtype=torch.uint8)
+        for off, part in parts:
+            buf[off:off + part.numel() * 4] = part.reshape(-1).view(torch.uint8)
+        buckets.append(FlatBucket(metas, buf))
+    return buckets
+
+
+def test_assemble_joins_pieces_across_buckets_and_passes_whole_tensors_as_views():
+    w = torch.arange(30.0).reshape(5, 6)
+    small = FlatBucket.pack([("s", torch.tensor([1.0, 2.0]))])
+    # column blocks (a dim-1 TP split), rows cut across two buckets, in no particular order
+    pieces = _pieces(w, "w", [[((0, 3), (3, 6)), ((0, 2), (0, 3))], [((2, 5), (0, 3)), ((3, 5), (3, 6))]])
+    got = list(assemble([small, *pieces, small]))
+    assert [n for n, _ in got] == ["s", "w", "s"]
+    assert torch.equal(got[1][1], w)
+    assert got[0][1].data_ptr() == small.buffer.data_ptr()  # whole tensors: no copy
+    with pytest.raises(ValueError, match="holds pieces"):
+        list(pieces[0])
+
+
+@pytest.mark.parametrize("order,match", [
+    ("interleaved", "arrived while 'w' was incomplete"),
+    ("truncated", "the end of the stream arrived while 'w' was incomplete"),
+    ("overlap", "overlap"),
+])
+def test_assemble_refuses_broken_piece_streams(order, match):
+    w = torch.arange(30.0).reshape(5, 6)
+    other = FlatBucket.pack([("s", torch.tensor([1.0]))])
+    first = _pieces(w, "w", [[((0, 2), (0, 6))]])[0]
+    rest = {"interleaved": [other], "truncated": [],
+            "overlap": _pieces(w, "w", [[((1, 5), (0, 6))]])}[order]
+    with pytest.raises(ValueError, match=match):
+        list(assemble([first, *rest]))
+    asm = Assembler()  # the same object is what the receiver and the trainer's checksum use
+    assert list(asm.feed(_pieces(w, "w", [[((0, 5), (0, 6))]])[0]))[0][0] == "w"
+    asm.close()
 
 
 def test_staging_buffer_is_reused_only_when_nobody_holds_a_view():

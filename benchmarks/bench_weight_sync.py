@@ -6,18 +6,26 @@ disaggregated engine would be. Two variants, each in its OWN world (its own trai
 its own engine process; ``bench_common``), timed in interleaved rounds (median of the paired
 ratios):
 
-- ``sync``: the trainer path - ``models.export.iter_hf_buckets(dst=0)`` (TP gathers, PP hand-off
-  to rank 0, HF conversion, flat buckets of ``--bucket-mb``) streamed by ``ProcessGroupSender``
-  to the engine's ``ProcessGroupReceiver``, which copies every tensor into preallocated
-  parameters. Sender and receiver are kept across syncs (as the engines keep them).
+- ``sync``: the trainer path - ``models.export.iter_hf_buckets(dst=0, pieces=True)`` (each TP
+  rank's rows sent point-to-point straight into buckets of at most ``--bucket-mb`` on the
+  stage's collector, the PP hand-off to rank 0) streamed by ``ProcessGroupSender`` to the
+  engine's ``ProcessGroupReceiver``, which joins pieces and copies every tensor into
+  preallocated parameters. Sender and receiver are kept across syncs (as the engines keep them).
+- ``whole``: the same with the whole-tensor export (``pieces=False``: TP all-gather of each
+  canonical tensor, HF conversion, a bucket of its own for a tensor above the bucket size) -
+  the path before pieces, and still the checkpoint writer's.
 - ``raw``: the collectives the same bytes need and nothing else, measured one after the other
-  on preallocated buffers: (1) an ``all_gather_into_tensor`` over TP of every TP-split
-  parameter's shard bytes of the stage (all stages at once), (2) ``send``/``recv`` of every
-  other stage's HF bytes to rank 0 (the PP hand-off), (3) one broadcast of the whole model's
-  HF bytes to the engine.
+  on preallocated buffers: (1) the TP gather: every TP rank but the stage's collector (TP rank
+  0) sends the bytes of its TP-split parameter shards to it, ``send``/``recv``, all stages at
+  once (the bytes the piece export moves; the vocabulary padding rows included), (2)
+  ``send``/``recv`` of every other stage's HF bytes to rank 0 (the PP hand-off), (3) one
+  broadcast of the whole model's HF bytes to the engine. Recorded beside it, not in its total:
+  an ``all_gather_into_tensor`` of the same shards over TP (``allgather``), the collective
+  the whole-tensor export uses (every TP rank receives everything).
 
 Both end when the engine has acknowledged (a 1-element broadcast back), so the receiver's last
-copy is inside the sync time. ``ratio = sync / raw``; the goal (issue #17) is <= 1.5 at TP2xPP2.
+copy is inside the sync time. ``ratio = sync / raw``; the goal (issue #17) is <= 1.5 at TP2xPP2
+(``whole_ratio = whole / raw`` alongside).
 Also recorded: the per-phase times inside the sync on rank 0 (TP gather, PP hand-off, packing,
 broadcast: ``ExportStats`` / ``SyncStats``) and the sender's peak extra memory (torch allocator
 events on rank 0 during one sync, outside the timed rounds) in units of the bucket size.
@@ -48,6 +56,7 @@ import bench_common  # noqa: E402
 GROUP = "bench_weights"
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")  # its replacement is not in every torch
 EXIT, SYNC, RAW = 0, 1, 2
+VARIANTS = ("sync", "whole", "raw")
 
 
 def _engine(port: int) -> None:
@@ -93,7 +102,7 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     model, spec, _ = build_from_hf(hf_dir, groups)
 
     def export(stats=None):
-        return iter_hf_buckets(model, groups, spec, bucket_bytes, dst=0, stats=stats)
+        return iter_hf_buckets(model, groups, spec, bucket_bytes, dst=0, stats=stats, pieces=kind == "sync")
 
     # Byte counts of what the sync moves, from one export (also the warm-up of the export).
     st = ExportStats()
@@ -140,11 +149,17 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
         if rank == 0 else {}
     bcast = torch.zeros(total, dtype=torch.uint8) if rank == 0 else None
 
+    tp_ranks = group_ranks(groups.tp_group) if tp > 1 else [rank]
+    gather_bufs = [torch.empty_like(gather_in) for _ in tp_ranks[1:]] if groups.tp_rank == 0 else []
+
     def raw() -> dict:
         out = {}
         t0 = time.perf_counter()
-        if tp > 1:
-            dist.all_gather_into_tensor(gather_out, gather_in, group=groups.tp_group)
+        if tp > 1 and groups.tp_rank == 0:
+            for src, buf in zip(tp_ranks[1:], gather_bufs):
+                dist.recv(buf, src=src)
+        elif tp > 1:
+            dist.send(gather_in, dst=tp_ranks[0])
         t1 = time.perf_counter()
         if rank == 0:
             for r, buf in recv_bufs.items():
@@ -157,7 +172,12 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
             broadcast(bcast, 0, group)
             broadcast(ack, 1, group)
         t3 = time.perf_counter()
-        out.update(gather=t1 - t0, handoff=t2 - t1, bcast=t3 - t2)
+        out.update(gather=t1 - t0, handoff=t2 - t1, bcast=t3 - t2, span=t3 - t0)
+        dist.barrier()
+        t4 = time.perf_counter()
+        if tp > 1:
+            dist.all_gather_into_tensor(gather_out, gather_in, group=groups.tp_group)
+        out["allgather"] = time.perf_counter() - t4
         return out
 
     def runner(cmd):
@@ -182,8 +202,8 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
             return out
         if cmd == "time":
             t0 = time.perf_counter()
-            out = sync() if kind == "sync" else raw()
-            out["total"] = time.perf_counter() - t0
+            out = raw() if kind == "raw" else sync()
+            out["total"] = out.pop("span") if kind == "raw" else time.perf_counter() - t0
             return out
         if cmd == "stop" and rank == 0:
             command(EXIT)
@@ -196,30 +216,36 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
 def run_layout(tp: int, pp: int, hf_dir: str, bucket_mb: int, repeats: int) -> dict:
     bb = bucket_mb << 20
     worlds = bench_common.start([bench_common.Variant(k, _trainer_setup, (k, tp, pp, hf_dir, bb))
-                                 for k in ("sync", "raw")], world_size=tp * pp)
+                                 for k in VARIANTS], world_size=tp * pp)
     try:
         info = worlds.ask("raw", "info")[0]
-        rounds = bench_common.interleaved_times(worlds, ["sync", "raw"], repeats,
+        rounds = bench_common.interleaved_times(worlds, list(VARIANTS), repeats,
                                                 reduce=lambda answers: answers[0])
-        phases = [worlds.ask("sync", "phases")[0] for _ in range(3)]
-        peak = max(worlds.ask("sync", "peak")[0] for _ in range(2))
-        for n in ("sync", "raw"):
+        phases = {k: [worlds.ask(k, "phases")[0] for _ in range(3)] for k in ("sync", "whole")}
+        peak = {k: max(worlds.ask(k, "peak")[0] for _ in range(2)) for k in ("sync", "whole")}
+        for n in VARIANTS:
             worlds.ask(n, "stop")
     finally:
         worlds.close()
     sync_t = [r["total"] for r in rounds["sync"]]
+    whole_t = [r["total"] for r in rounds["whole"]]
     raw_t = [r["total"] for r in rounds["raw"]]
+    keys = ("gather", "handoff", "convert", "pack", "send", "total")
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     return {
         "layout": f"TP{tp}xPP{pp}", "ranks": tp * pp, "bucket_bytes": bb, "model_bytes": info["total"],
         "largest_tensor_bytes": info["largest_tensor"], "tp_shard_bytes_per_rank": info["shard_bytes"],
         "handoff_bytes": info["handoff_bytes"], "buckets": rounds["sync"][0]["buckets"],
-        "sync_s": sync_t, "raw_s": raw_t, "ratio": bench_common.paired_ratio(sync_t, raw_t),
-        "sync_median_s": statistics.median(sync_t), "raw_median_s": statistics.median(raw_t),
-        "raw_phases_median_s": {k: med(rounds["raw"], k) for k in ("gather", "handoff", "bcast")},
-        "sync_phases_median_s": {k: med(phases, k) for k in ("gather", "handoff", "convert", "pack", "send",
-                                                             "total")},
-        "sender_peak_bytes": peak, "sender_peak_buckets": peak / bb,
+        "whole_buckets": rounds["whole"][0]["buckets"],
+        "sync_s": sync_t, "whole_s": whole_t, "raw_s": raw_t, "ratio": bench_common.paired_ratio(sync_t, raw_t),
+        "whole_ratio": bench_common.paired_ratio(whole_t, raw_t),
+        "sync_median_s": statistics.median(sync_t), "whole_median_s": statistics.median(whole_t),
+        "raw_median_s": statistics.median(raw_t),
+        "raw_phases_median_s": {k: med(rounds["raw"], k) for k in ("gather", "handoff", "bcast", "allgather")},
+        "sync_phases_median_s": {k: med(phases["sync"], k) for k in keys},
+        "whole_phases_median_s": {k: med(phases["whole"], k) for k in keys},
+        "sender_peak_bytes": peak["sync"], "sender_peak_buckets": peak["sync"] / bb,
+        "whole_sender_peak_bytes": peak["whole"], "whole_sender_peak_buckets": peak["whole"] / bb,
     }
 
 
@@ -250,13 +276,17 @@ def main() -> None:
         rp, sp = r["raw_phases_median_s"], r["sync_phases_median_s"]
         print(f"{r['layout']}: model {mb:.0f} MiB fp32, bucket {args.bucket_mb} MiB -> {r['buckets']} buckets; "
               f"{args.repeats} interleaved rounds")
-        print(f"  sync {r['sync_median_s']:.3f} s | raw collectives {r['raw_median_s']:.3f} s "
-              f"(gather {rp['gather']:.3f} + hand-off {rp['handoff']:.3f} + bcast {rp['bcast']:.3f}) | "
-              f"ratio {r['ratio']:.2f} (goal <= 1.5)")
-        print(f"  inside the sync (rank 0, median of 3): gather {sp['gather']:.3f}, hand-off {sp['handoff']:.3f}, "
-              f"convert {sp['convert']:.3f}, pack {sp['pack']:.3f}, send {sp['send']:.3f}, total {sp['total']:.3f} s")
+        print(f"  sync {r['sync_median_s']:.3f} s | whole-tensor export {r['whole_median_s']:.3f} s | raw collectives "
+              f"{r['raw_median_s']:.3f} s (gather {rp['gather']:.3f} + hand-off {rp['handoff']:.3f} + bcast "
+              f"{rp['bcast']:.3f}; a TP all-gather instead: {rp['allgather']:.3f}) | ratio {r['ratio']:.2f} (goal <= 1.5), "
+              f"whole {r['whole_ratio']:.2f}")
+        for k in ("sync", "whole"):
+            sp = r[f"{k}_phases_median_s"]
+            print(f"  inside {k} (rank 0, median of 3): gather {sp['gather']:.3f}, hand-off {sp['handoff']:.3f}, "
+                  f"convert {sp['convert']:.3f}, pack {sp['pack']:.3f}, send {sp['send']:.3f}, total {sp['total']:.3f} s")
         print(f"  sender peak extra memory {r['sender_peak_bytes'] / 2 ** 20:.1f} MiB = "
-              f"{r['sender_peak_buckets']:.2f} buckets (goal <= 2)")
+              f"{r['sender_peak_buckets']:.2f} buckets (goal <= 2); whole-tensor export "
+              f"{r['whole_sender_peak_buckets']:.2f} buckets")
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "weight_sync", "machine": bench_common.machine(),
                                                "args": vars(args), "results": results}, indent=1) + "\n")

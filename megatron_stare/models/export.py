@@ -17,6 +17,13 @@ extra memory per rank: two bucket buffers (one when the consumer drops each buck
 for the next) plus the tensor being converted (the reused TP gather / concatenation buffers and
 its HF pieces).
 
+The weight sync to an engine behind a process group uses ``pieces=True`` instead
+(``export_pieces``): with one ``dst``, each TP rank's rows of every HF tensor go point-to-point
+straight into the collector's bucket buffer, tensors are cut at bucket boundaries, and the
+destination holds two buckets of at most ``bucket_bytes`` and nothing else (no gather buffer,
+no HF copies); receivers join the pieces (``weight_sync.Assembler``). Whole tensors remain the
+default for checkpoint writers and colocated engines (``dst="all"``).
+
 Destinations (``dst``):
 - ``"all"``: every rank yields every bucket. Each stage broadcasts its buckets over its pipeline
   group; TP peers already hold the gathered tensors; every data-parallel replica streams itself.

@@ -16,14 +16,14 @@ of its own size. Here nothing is materialised outside the bucket:
   everything at TP=1) is taken from the collector's own copy.
 - **The buckets** (``piece_buckets``): pieces are written straight into a bucket buffer from a
   two-slot ``StagingBuffer``: the collector's own pieces by one ``copy_`` (which also casts), the
-  other TP ranks' pieces by a point-to-point ``recv`` into the buffer (their owner sends its rows,
-  cast first when ``dtype`` differs). A piece that does not fit in the space left is cut by rows:
+  other TP ranks' pieces by point-to-point receives into the buffer, all of a bucket's posted
+  at once (their owner sends its rows, cast first when ``dtype`` differs). A piece that does not fit in the space left is cut by rows:
   the rest opens the next bucket. Every TP rank runs the same arithmetic, so the senders know
   every cut without a message.
 
 Peak extra memory on the collector: two bucket buffers (one in flight, one being filled), at
 most ``bucket_bytes`` each, and nothing else (``tests/distributed/test_models_dist.py`` measures
-it with the allocator's events). On a sending TP rank: one piece when it must be cast.
+it with the allocator's events). On a sending TP rank: its share of one bucket when it must be cast.
 
 Receivers join pieces with ``weight_sync.Assembler`` (``ProcessGroupReceiver`` does it).
 """
@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_stare.models.sharding import full_shape, is_glu_fc1, local_params
-from megatron_stare.weight_sync import FlatBucket, StagingBuffer, TensorMeta, dtype_name
+from megatron_stare.weight_sync import FlatBucket, Pending, StagingBuffer, TensorMeta, dtype_name
 from megatron_stare.weight_sync.bucket import aligned
 
 
@@ -117,59 +117,102 @@ def stage_pieces(model, mapping, tp: int, tp_rank: int, glu: bool = True) -> Lis
     return out
 
 
+class _Cut(NamedTuple):
+    """Rows ``[r0, r0 + n)`` of a piece, at byte ``offset`` of its bucket."""
+
+    piece: Piece
+    r0: int
+    n: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _cuts(pieces: List[Piece], bucket_bytes: int, dtype: Optional[torch.dtype]
+          ) -> Iterator[Tuple[int, int, List[_Cut]]]:
+    """``(buffer bytes, used bytes, cuts)`` per bucket: pieces placed in order, each cut by rows
+    where the bucket is full. Pure arithmetic, so every TP rank gets the same cuts."""
+    # ``remaining`` (the aligned bytes still to place, exact) bounds the last buffer, as in pack_stream.
+    remaining = sum(aligned(_nbytes(pc, dtype)) for pc in pieces)
+    cuts: List[_Cut] = []
+    cap = used = 0
+    for pc in pieces:
+        odt = dtype if dtype is not None else pc.dtype
+        rows, done = pc.shape[0], 0
+        row_bytes = _nbytes(pc, dtype) // max(rows, 1)
+        while row_bytes and done < rows:
+            start = aligned(used)
+            fit = (cap - start) // row_bytes if cap > start else 0
+            if fit == 0:
+                if cuts:
+                    yield cap, used, cuts
+                cap, start, cuts = max(min(bucket_bytes, remaining), row_bytes), 0, []
+                fit = cap // row_bytes
+            n = min(rows - done, fit)
+            cuts.append(_Cut(pc, done, n, start, n * row_bytes, odt))
+            # What is left of this piece travels as a piece of its own: its own alignment.
+            remaining += aligned((rows - done - n) * row_bytes) - aligned((rows - done) * row_bytes)
+            used, done = start + n * row_bytes, done + n
+    if cuts:
+        yield cap, used, cuts
+
+
 def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[torch.dtype], device: torch.device,
                   tp_ranks: List[int], tp_rank: int, collector: int, staging: StagingBuffer,
                   stats=None) -> Iterator[FlatBucket]:
     """On TP rank ``collector``: yield this stage's buckets (``FlatBucket``s of at most
     ``bucket_bytes``, pieces written in place). On the other TP ranks: send the pieces they own
-    to the collector as it needs them; yields nothing. Every TP rank of the stage must iterate
+    to the collector, bucket by bucket; yields nothing. Every TP rank of the stage must iterate
     to the end (point-to-point transfers inside). ``tp_ranks``: the TP group's global ranks in
-    TP-rank order. ``stats``: an ``export.ExportStats`` (TP transfer time counts as gather,
-    local copies as pack)."""
+    TP-rank order. ``stats``: an ``export.ExportStats`` (the wait for other ranks' pieces counts
+    as gather, local copies as pack).
+
+    Per bucket, the collector posts a receive for every remote piece first, copies its own
+    pieces while they arrive, then waits: the transfers overlap each other and the copies.
+    """
     me_collects = tp_rank == collector
-    # Every rank computes the same cuts. ``remaining`` (the aligned bytes still to place, exact)
-    # bounds the last buffer, as in pack_stream.
-    remaining = sum(aligned(_nbytes(pc, dtype)) for pc in pieces)
-    flat, metas, cap, used = None, [], 0, 0
-    for pc in pieces:
-        odt = dtype if dtype is not None else pc.dtype
-        row_bytes = _nbytes(pc, dtype) // max(pc.shape[0], 1)
-        rows, done = pc.shape[0], 0
-        if row_bytes == 0:
-            continue
-        while done < rows:
-            start = aligned(used)
-            fit = (cap - start) // row_bytes if cap > start else 0
-            if fit == 0:
-                if me_collects and metas:
-                    bucket = FlatBucket(metas, flat[:used])
-                    flat = None
-                    _packed(stats, bucket, staging)
-                    yield bucket
-                    del bucket
-                cap, start, metas = max(min(bucket_bytes, remaining), row_bytes), 0, []
-                flat = staging.get(cap) if me_collects else None
-                fit = cap // row_bytes
-            n = min(rows - done, fit)
-            nbytes = n * row_bytes
-            shape = (n,) + pc.shape[1:]
-            dest = flat[start:start + nbytes].view(odt).view(shape) if me_collects else None
-            _move(pc, done, n, dest, odt, tp_ranks, tp_rank, collector, stats)
+    for cap, used, cuts in _cuts(pieces, bucket_bytes, dtype):
+        flat = staging.get(cap) if me_collects else None
+        views = [flat[c.offset:c.offset + c.nbytes].view(c.dtype).view((c.n,) + c.piece.shape[1:])
+                 for c in cuts] if me_collects else [None] * len(cuts)
+        pending = []
+        for c, dest in zip(cuts, views):
+            owner = c.piece.owner
+            if owner is None or owner == collector:
+                continue
             if me_collects:
-                first = (pc.start[0] + done,) + pc.start[1:]
-                if pc.whole and n == rows:
-                    metas.append(TensorMeta(pc.name, dtype_name(odt), shape, start, nbytes))
-                else:
-                    metas.append(TensorMeta(pc.name, dtype_name(odt), shape, start, nbytes, pc.full, first))
-            del dest
-            # What is left of this piece travels as a piece of its own: its own alignment.
-            remaining += aligned((rows - done - n) * row_bytes) - aligned((rows - done) * row_bytes)
-            used, done = start + nbytes, done + n
-    if me_collects and metas:
+                pending.append(Pending(dest, lambda x, src=tp_ranks[owner]: dist.irecv(x, src=src)))
+            elif tp_rank == owner:
+                rows = c.piece.src[c.r0:c.r0 + c.n].to(c.dtype).contiguous()
+                pending.append(Pending(rows, lambda x: dist.isend(x, dst=tp_ranks[collector])))
+                del rows
+        t0 = time.perf_counter()
+        if me_collects:
+            for c, dest in zip(cuts, views):
+                if c.piece.owner is None or c.piece.owner == collector:
+                    dest.copy_(c.piece.src[c.r0:c.r0 + c.n])
+        t1 = time.perf_counter()
+        for p in pending:
+            p.wait()
+        del pending, views
+        if stats is not None:
+            stats.pack_seconds += t1 - t0
+            stats.gather_seconds += time.perf_counter() - t1
+        if not me_collects:
+            continue
+        metas = []
+        for c in cuts:
+            pc, shape = c.piece, (c.n,) + c.piece.shape[1:]
+            if pc.whole and c.n == pc.shape[0]:
+                metas.append(TensorMeta(pc.name, dtype_name(c.dtype), shape, c.offset, c.nbytes))
+            else:
+                metas.append(TensorMeta(pc.name, dtype_name(c.dtype), shape, c.offset, c.nbytes, pc.full,
+                                        (pc.start[0] + c.r0,) + pc.start[1:]))
         bucket = FlatBucket(metas, flat[:used])
         flat = None
         _packed(stats, bucket, staging)
         yield bucket
+        del bucket
 
 
 def _nbytes(pc: Piece, dtype: Optional[torch.dtype]) -> int:
@@ -177,25 +220,6 @@ def _nbytes(pc: Piece, dtype: Optional[torch.dtype]) -> int:
     for s in pc.shape:
         n *= s
     return n * torch.empty((), dtype=dtype if dtype is not None else pc.dtype).element_size()
-
-
-def _move(pc: Piece, r0: int, n: int, dest, odt, tp_ranks, tp_rank, collector, stats) -> None:
-    """Rows ``[r0, r0+n)`` of piece ``pc`` into ``dest`` on the collector (a local copy when the
-    collector holds them, else a point-to-point transfer from the owner)."""
-    t0 = time.perf_counter()
-    if pc.owner is None or pc.owner == collector:
-        if dest is not None:
-            dest.copy_(pc.src[r0:r0 + n])
-            if stats is not None:
-                stats.pack_seconds += time.perf_counter() - t0
-        return
-    if tp_rank == pc.owner:
-        rows = pc.src[r0:r0 + n]
-        dist.send(rows.to(odt).contiguous(), dst=tp_ranks[collector])
-    elif dest is not None:
-        dist.recv(dest, src=tp_ranks[pc.owner])
-    if stats is not None:
-        stats.gather_seconds += time.perf_counter() - t0
 
 
 def _packed(stats, bucket: FlatBucket, staging: StagingBuffer) -> None:

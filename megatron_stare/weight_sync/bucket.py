@@ -370,15 +370,18 @@ class Assembler:
     """Whole tensors from a stream of bucket entries, pieces included.
 
     ``feed(bucket)`` yields ``(name, tensor)``: a whole tensor as the bucket's own view (no
-    copy), a pieced one as a fresh tensor once its last piece arrived (its pieces must be
-    consecutive in the stream, in any order, and cover it exactly once). Extra memory: the one
-    tensor being assembled. ``close()`` fails if the stream ended inside a tensor.
+    copy), a pieced one once its last piece arrived (its pieces must be consecutive in the
+    stream, in any order, and cover it exactly once). Pieced tensors are joined in one buffer
+    reused while the consumer keeps no view of the previous one (a consumer that keeps tensors
+    gets fresh ones). Extra memory: the one tensor being assembled. ``close()`` fails if the
+    stream ended inside a tensor.
     """
 
     def __init__(self):
         self._name: Optional[str] = None
         self._full: Optional[Tensor] = None
         self._left = 0
+        self._staging: Optional[StagingBuffer] = None
 
     def feed(self, bucket: "FlatBucket") -> Iterator[Tuple[str, Tensor]]:
         for m, view in bucket.entries():
@@ -388,7 +391,10 @@ class Assembler:
                 continue
             if self._full is None:
                 self._name, self._left = m.name, _numel(m.full)
-                self._full = torch.empty(m.full, dtype=view.dtype, device=view.device)
+                if self._staging is None or self._staging.device != view.device:
+                    self._staging = StagingBuffer(view.device)
+                nbytes = self._left * view.element_size()
+                self._full = self._staging.get(nbytes).view(view.dtype).view(m.full)
             elif m.name != self._name or m.full != tuple(self._full.shape) or view.dtype != self._full.dtype:
                 raise ValueError(f"weight stream: piece of {m.name!r} {m.dtype}{list(m.full)} arrived while "
                                  f"{self._name!r} was incomplete ({self._left} elements missing)")

@@ -194,25 +194,40 @@ def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[tor
         t1 = time.perf_counter()
         for p in pending:
             p.wait()
+        dest = p = None  # no view of the buffer may outlive the bucket: it could not be reused
         del pending, views
         if stats is not None:
             stats.pack_seconds += t1 - t0
             stats.gather_seconds += time.perf_counter() - t1
         if not me_collects:
             continue
-        metas = []
-        for c in cuts:
-            pc, shape = c.piece, (c.n,) + c.piece.shape[1:]
-            if pc.whole and c.n == pc.shape[0]:
-                metas.append(TensorMeta(pc.name, dtype_name(c.dtype), shape, c.offset, c.nbytes))
-            else:
-                metas.append(TensorMeta(pc.name, dtype_name(c.dtype), shape, c.offset, c.nbytes, pc.full,
-                                        (pc.start[0] + c.r0,) + pc.start[1:]))
+        metas = _merged([TensorMeta(c.piece.name, dtype_name(c.dtype), (c.n,) + c.piece.shape[1:], c.offset,
+                                    c.nbytes, c.piece.full, (c.piece.start[0] + c.r0,) + c.piece.start[1:])
+                         for c in cuts])
         bucket = FlatBucket(metas, flat[:used])
         flat = None
         _packed(stats, bucket, staging)
         yield bucket
         del bucket
+
+
+def _merged(metas: List[TensorMeta]) -> List[TensorMeta]:
+    """Join consecutive full-width row pieces of one tensor that lie back to back in the buffer
+    (a dim-0 split's ranks, the QKV groups of one HF tensor) into one entry; an entry that covers
+    its tensor becomes a whole tensor, which the receiver takes as a view without joining."""
+    out: List[TensorMeta] = []
+    for m in metas:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.name == m.name and _full_width(prev) and _full_width(m)
+                and prev.start[0] + prev.shape[0] == m.start[0] and prev.offset + prev.nbytes == m.offset):
+            m = prev._replace(shape=(prev.shape[0] + m.shape[0],) + m.shape[1:], nbytes=prev.nbytes + m.nbytes)
+            out.pop()
+        out.append(m)
+    return [m._replace(full=None, start=None) if m.shape == m.full else m for m in out]
+
+
+def _full_width(m: TensorMeta) -> bool:
+    return m.shape[1:] == m.full[1:] and not any(m.start[1:])
 
 
 def _nbytes(pc: Piece, dtype: Optional[torch.dtype]) -> int:

@@ -186,8 +186,9 @@ def test_export_memory_is_bounded_by_the_bucket(runs, tp, pp):
 def test_piece_export_is_exact_in_buckets_of_at_most_the_bucket_size(runs, tp, pp):
     """The weight sync's export (pieces written straight into the buckets): every HF tensor
     bit-exact on rank 0 (fp32, and cast to bf16), no bucket above the bucket size although the
-    embedding is larger, and no rank above two buckets of extra memory (rank 0 drops each
-    bucket before the next, a stage that hands its buckets to rank 0 keeps one in flight)."""
+    embedding is larger, and no exporter memory beyond its bucket buffers: rank 0, which drops
+    each bucket before asking for the next, holds one bucket at a time (nothing else: no gather
+    buffer, no HF copies); a stage that hands its buckets to rank 0 keeps one in flight (two)."""
     for rank, per_fam in enumerate(runs[(tp, pp)]):
         for fam, r in per_fam.items():
             for dtype, x in r["pieces"].items():
@@ -196,7 +197,7 @@ def test_piece_export_is_exact_in_buckets_of_at_most_the_bucket_size(runs, tp, p
                 if rank == 0:
                     assert x["pieces"] > 0 and len(x["sizes"]) > 10, where  # not vacuous
                     assert max(x["sizes"]) <= BUCKET, (where, max(x["sizes"]))
-                assert x["peak"] <= 2 * BUCKET + (16 << 10), (where, x["peak"])
+                assert x["peak"] <= (1 if rank == 0 else 2) * BUCKET + (16 << 10), (where, x["peak"])
 
 
 @pytest.mark.parametrize("tp,pp,src", [(2, 2, "tp1pp1"), (2, 1, "tp2pp2"), (1, 2, "tp2pp2"),

@@ -235,3 +235,22 @@ def test_engines_and_exports_use_only_the_packages_public_api():
                     and isinstance(node.value, ast.Name) and node.value.id in ("dist", "group"):
                 offenders.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not offenders, offenders
+
+
+def test_adjacent_row_pieces_of_one_tensor_are_sent_as_one_entry():
+    """The piece export joins back-to-back full-width row pieces (a dim-0 split's ranks) into one
+    entry, and one that covers its tensor becomes whole (a view for the receiver, no join)."""
+    from megatron_stare.models.export_pieces import _merged
+
+    def piece(name, rows, r0, off, full=(4, 8), cols=(8, 0)):
+        return TensorMeta(name, "float32", (rows, cols[0]), off, rows * cols[0] * 4, full, (r0, cols[1]))
+
+    whole = _merged([piece("a", 2, 0, 0), piece("a", 2, 2, 64)])
+    assert whole == [TensorMeta("a", "float32", (4, 8), 0, 128)]
+    part = _merged([piece("a", 1, 0, 0), piece("a", 2, 1, 32)])  # rows 0-2 of 4: still a piece
+    assert part == [piece("a", 3, 0, 0)]
+    gap = [piece("a", 2, 0, 0), piece("a", 2, 2, 256)]            # not back to back
+    cols = [piece("b", 4, 0, 0, cols=(4, 0)), piece("b", 4, 0, 64, cols=(4, 4))]  # column blocks
+    other = [piece("a", 2, 0, 0), piece("c", 2, 2, 64)]           # another tensor
+    for metas in (gap, cols, other):
+        assert _merged(metas) == metas

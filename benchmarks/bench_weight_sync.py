@@ -75,12 +75,19 @@ def _engine(port: int) -> None:
         if int(cmd[0]) == EXIT:
             return
         if int(cmd[0]) == SYNC:
+            copy_s = 0.0
             for name, t in recv.receive():
                 dst = params.get(name)
                 if dst is None:  # first (warm-up) sync: allocate the "engine parameters"
                     dst = params[name] = torch.empty_like(t)
+                t0 = time.perf_counter()
                 dst.copy_(t)
+                copy_s += time.perf_counter() - t0
                 del t
+            broadcast(ack, 1, group)
+            # The engine's side of the sync, for the profile: receive loop, joins, parameter copies.
+            broadcast(torch.tensor([recv.stats.seconds, recv.stats.join_seconds, copy_s]), 1, group)
+            continue
         else:
             if raw is None or raw.numel() != int(cmd[1]):
                 raw = torch.zeros(int(cmd[1]), dtype=torch.uint8)
@@ -131,15 +138,20 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
         broadcast(torch.tensor([code, n], dtype=torch.int64), 0, group)
 
     def sync(stats=None) -> dict:
+        t0 = time.perf_counter()
         if rank != 0:
             for b in export(stats):
                 del b
-            return {}
+            return {"span": time.perf_counter() - t0}
         command(SYNC)
         st = sender.send_buckets(export(stats))
         broadcast(ack, 1, group)
+        span = time.perf_counter() - t0
+        engine = torch.zeros(3, dtype=torch.float32)
+        broadcast(engine, 1, group)  # after the ack: not in the timed span of the sync
         assert st.bytes == total, (st.bytes, total)
-        return {"pack": st.pack_seconds, "send": st.send_seconds, "buckets": st.num_buckets}
+        return {"span": span, "pack": st.pack_seconds, "send": st.send_seconds, "buckets": st.num_buckets,
+                "engine_receive": float(engine[0]), "engine_join": float(engine[1]), "engine_copy": float(engine[2])}
 
     sync()  # warm-up: engine parameters and every staging buffer allocated
     gather_in = torch.ones(shard // 4 + 1)
@@ -194,16 +206,14 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
             return mem.peak_bytes
         if cmd == "phases":  # one sync with the exporter's phase times (rank 0's view)
             est = ExportStats()
-            t0 = time.perf_counter()
             out = sync(est)
-            out["total"] = time.perf_counter() - t0
+            out["total"] = out.pop("span")
             out.update(gather=est.gather_seconds, handoff=est.handoff_seconds, convert=est.convert_seconds,
                        pack=est.pack_seconds + out.get("pack", 0.0))  # the exporter's packing (+ the sender's: none)
             return out
         if cmd == "time":
-            t0 = time.perf_counter()
             out = raw() if kind == "raw" else sync()
-            out["total"] = out.pop("span") if kind == "raw" else time.perf_counter() - t0
+            out["total"] = out.pop("span")  # command to acknowledgement (raw: its collectives)
             return out
         if cmd == "stop" and rank == 0:
             command(EXIT)
@@ -230,7 +240,8 @@ def run_layout(tp: int, pp: int, hf_dir: str, bucket_mb: int, repeats: int) -> d
     sync_t = [r["total"] for r in rounds["sync"]]
     whole_t = [r["total"] for r in rounds["whole"]]
     raw_t = [r["total"] for r in rounds["raw"]]
-    keys = ("gather", "handoff", "convert", "pack", "send", "total")
+    raw_ag_t = [r["total"] - r["gather"] + r["allgather"] for r in rounds["raw"]]
+    keys = ("gather", "handoff", "convert", "pack", "send", "total", "engine_receive", "engine_join", "engine_copy")
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     return {
         "layout": f"TP{tp}xPP{pp}", "ranks": tp * pp, "bucket_bytes": bb, "model_bytes": info["total"],
@@ -239,6 +250,9 @@ def run_layout(tp: int, pp: int, hf_dir: str, bucket_mb: int, repeats: int) -> d
         "whole_buckets": rounds["whole"][0]["buckets"],
         "sync_s": sync_t, "whole_s": whole_t, "raw_s": raw_t, "ratio": bench_common.paired_ratio(sync_t, raw_t),
         "whole_ratio": bench_common.paired_ratio(whole_t, raw_t),
+        # against the raw collectives with a TP all-gather in place of the gather (the old baseline)
+        "ratio_vs_allgather": bench_common.paired_ratio(sync_t, raw_ag_t),
+        "whole_ratio_vs_allgather": bench_common.paired_ratio(whole_t, raw_ag_t),
         "sync_median_s": statistics.median(sync_t), "whole_median_s": statistics.median(whole_t),
         "raw_median_s": statistics.median(raw_t),
         "raw_phases_median_s": {k: med(rounds["raw"], k) for k in ("gather", "handoff", "bcast", "allgather")},
@@ -279,11 +293,14 @@ def main() -> None:
         print(f"  sync {r['sync_median_s']:.3f} s | whole-tensor export {r['whole_median_s']:.3f} s | raw collectives "
               f"{r['raw_median_s']:.3f} s (gather {rp['gather']:.3f} + hand-off {rp['handoff']:.3f} + bcast "
               f"{rp['bcast']:.3f}; a TP all-gather instead: {rp['allgather']:.3f}) | ratio {r['ratio']:.2f} (goal <= 1.5), "
-              f"whole {r['whole_ratio']:.2f}")
+              f"whole {r['whole_ratio']:.2f}; against the raw collectives with the all-gather: sync "
+              f"{r['ratio_vs_allgather']:.2f}, whole {r['whole_ratio_vs_allgather']:.2f}")
         for k in ("sync", "whole"):
             sp = r[f"{k}_phases_median_s"]
             print(f"  inside {k} (rank 0, median of 3): gather {sp['gather']:.3f}, hand-off {sp['handoff']:.3f}, "
-                  f"convert {sp['convert']:.3f}, pack {sp['pack']:.3f}, send {sp['send']:.3f}, total {sp['total']:.3f} s")
+                  f"convert {sp['convert']:.3f}, pack {sp['pack']:.3f}, send {sp['send']:.3f}, total {sp['total']:.3f} s; "
+                  f"engine: receive loop {sp['engine_receive']:.3f} (joins {sp['engine_join']:.3f}, parameter copies "
+                  f"{sp['engine_copy']:.3f})")
         print(f"  sender peak extra memory {r['sender_peak_bytes'] / 2 ** 20:.1f} MiB = "
               f"{r['sender_peak_buckets']:.2f} buckets (goal <= 2); whole-tensor export "
               f"{r['whole_sender_peak_buckets']:.2f} buckets")

@@ -34,6 +34,7 @@ tensors on the receiving side.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -382,6 +383,7 @@ class Assembler:
         self._full: Optional[Tensor] = None
         self._left = 0
         self._staging: Optional[StagingBuffer] = None
+        self.seconds = 0.0  # spent copying pieces into joined tensors
 
     def feed(self, bucket: "FlatBucket") -> Iterator[Tuple[str, Tensor]]:
         for m, view in bucket.entries():
@@ -398,7 +400,9 @@ class Assembler:
             elif m.name != self._name or m.full != tuple(self._full.shape) or view.dtype != self._full.dtype:
                 raise ValueError(f"weight stream: piece of {m.name!r} {m.dtype}{list(m.full)} arrived while "
                                  f"{self._name!r} was incomplete ({self._left} elements missing)")
+            t0 = time.perf_counter()
             self._full[tuple(slice(a, a + n) for a, n in zip(m.start, m.shape))].copy_(view)
+            self.seconds += time.perf_counter() - t0
             self._left -= view.numel()
             del view
             if self._left < 0:

@@ -53,6 +53,8 @@ class SyncStats:
     """Part of ``seconds`` spent copying tensors into flat buffers (sender only)."""
     send_seconds: float = 0.0
     """Part of ``seconds`` spent in (waiting for) the broadcasts (sender only)."""
+    join_seconds: float = 0.0
+    """Part of ``seconds`` spent joining pieces into whole tensors (receiver only)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -176,6 +178,7 @@ class ProcessGroupReceiver:
                 del view
             del bucket
         asm.close()
+        self.stats.join_seconds = asm.seconds
         self.stats.seconds = time.perf_counter() - t0
 
 

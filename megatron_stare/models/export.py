@@ -217,8 +217,17 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
         for _ in local:  # only take part in this stage's TP gathers
             pass
         return
-    if me != dst:
-        in_flight = None  # bucket k travels to dst while bucket k+1 is gathered and packed
+    yield from _to_dst(local, dst, groups, pp_ranks, staging, stats)
+
+
+def _to_dst(local: Iterator[FlatBucket], dst: int, groups: ParallelGroups, pp_ranks, staging: StagingBuffer,
+            stats: ExportStats) -> Iterator[FlatBucket]:
+    """On ``dst``: its own stage's buckets and the other stages' (received into ``staging``), in
+    stage order. On another stage's member of ``dst``'s pipeline group: send this stage's buckets
+    to ``dst``, bucket k in flight while bucket k+1 is built; yields nothing."""
+    dev = groups.device
+    if dist.get_rank() != dst:
+        in_flight = None
         for bucket in local:
             if in_flight is not None:
                 in_flight.wait()
@@ -228,7 +237,7 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
             in_flight.wait()
         send_end(send_link(dst), dev)
         return
-    for s in range(pp):
+    for s in range(groups.layout.pp):
         if s == groups.pp_rank:
             yield from local
         else:
@@ -253,19 +262,4 @@ def _piece_export(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: in
         for _ in local:  # send this rank's pieces to the collector
             pass
         return
-    if me != dst:
-        in_flight = None  # bucket k travels to dst while bucket k+1 is filled
-        for bucket in local:
-            if in_flight is not None:
-                in_flight.wait()
-            in_flight = send_bucket_async(send_link(dst), isend_link(dst), bucket, dev)
-            del bucket
-        if in_flight is not None:
-            in_flight.wait()
-        send_end(send_link(dst), dev)
-        return
-    for s in range(groups.layout.pp):
-        if s == groups.pp_rank:
-            yield from local
-        else:
-            yield from _received(recv_link(pp_ranks[s]), dev, staging, stats)
+    yield from _to_dst(local, dst, groups, pp_ranks, staging, stats)

@@ -319,7 +319,6 @@ class Trainer:
         from megatron_stare.weight_sync import Assembler, compare_checksums, tensor_checksum
 
         expected, joined = {}, Assembler()
-
         def watched():
             for bucket in buckets:
                 for name, tensor in joined.feed(bucket):

@@ -256,7 +256,7 @@ def _piece_export(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: in
     collector = find_collector(groups.tp_group, tp, dst in pp_ranks, dev)
     staging = StagingBuffer(dev, slots=2)  # own buckets and, on dst, the other stages' buckets
     plan = stage_pieces(model, mapping_for(spec), tp, groups.tp_rank)
-    local = piece_buckets(plan, bucket_bytes, dtype=dtype, device=dev, tp_ranks=tp_ranks, tp_rank=groups.tp_rank,
+    local = piece_buckets(plan, bucket_bytes, dtype=dtype, tp_ranks=tp_ranks, tp_rank=groups.tp_rank,
                           collector=collector, staging=staging, stats=stats)
     if groups.tp_rank != collector:
         for _ in local:  # send this rank's pieces to the collector

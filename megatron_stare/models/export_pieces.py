@@ -157,7 +157,7 @@ def _cuts(pieces: List[Piece], bucket_bytes: int, dtype: Optional[torch.dtype]
         yield cap, used, cuts
 
 
-def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[torch.dtype], device: torch.device,
+def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[torch.dtype],
                   tp_ranks: List[int], tp_rank: int, collector: int, staging: StagingBuffer,
                   stats=None) -> Iterator[FlatBucket]:
     """On TP rank ``collector``: yield this stage's buckets (``FlatBucket``s of at most

@@ -29,6 +29,7 @@ the steps run by this process.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -38,8 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
+from transformers.utils import logging as hf_logging
+
 from megatron_stare.checkpoint import finished_checkpoint
 from megatron_stare.metrics import format_duration
+from megatron_stare.models.sizes import param_counts
 from megatron_stare.preemption import PREEMPTED_EXIT_CODE
 
 PREFIX = "[megatron-stare]"
@@ -52,6 +56,8 @@ MAIN_PHASES = ("generate", "score", "train", "sync")
 _MINOR = (("gather", "gather"), ("wait_generate", "wait"), ("eval", "eval"))
 _WAKE = ("release", "resume_w", "resume_kv")  # the engine's sleep and wake: shown as one time
 _SHOWN_FROM_S = 0.05
+CONSOLE_ONLY_ENV: set = set()
+"""Environment variables the console set for this process only (not for the servers it spawns)."""
 _PKG_DIR = Path(__file__).resolve().parent
 _FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -188,11 +194,8 @@ class RunSummary:
     @classmethod
     def of(cls, trainer) -> "RunSummary":
         """The summary of a built ``train.Trainer``."""
-        from megatron_stare.models.provider import load_hf_config
-        from megatron_stare.models.sizes import param_counts
-
         cfg, layout = trainer.cfg, trainer.groups.layout
-        hf = load_hf_config(trainer._hf_dir())
+        hf = json.loads((Path(trainer._hf_dir()) / "config.json").read_text())
         try:
             params: Optional[int] = param_counts(hf).total
         except (ValueError, KeyError):  # an architecture the size model does not know
@@ -246,6 +249,7 @@ class Console:
         self._pending: List[str] = []  # log-file text before the log directory is known
         self._seen: set = set()
         self._installed: Optional[tuple] = None
+        self._adopted: List[tuple] = []  # (logger, its removed handlers, its propagate) to restore
         self.total_steps: Optional[int] = None
         self.log_every, self.target_entropy = 1, None
         self._t_start = time.perf_counter()
@@ -291,38 +295,43 @@ class Console:
         docstring); ``uninstall()`` undoes it."""
         if self._installed is not None:
             return self
-        root = logging.getLogger()
+        root, vllm = logging.getLogger(), logging.getLogger("vllm")
         handler = _Handler(self)
-        self._installed = (warnings.showwarning, handler, root.level)
+        self._installed = (warnings.showwarning, handler, root.level, vllm.level,
+                           hf_logging.is_progress_bar_enabled(), "VLLM_CONFIGURE_LOGGING" in os.environ)
         warnings.showwarning = self._showwarning
         root.addHandler(handler)
         if root.level == logging.WARNING:  # the default: INFO records reach the log file too
             root.setLevel(logging.INFO)
         # vLLM configures its own console handler at import unless told not to; it then logs here.
+        # (Set for this process: a spawned vLLM server drops it, ``vllm_server.server_environ``.)
         if "VLLM_CONFIGURE_LOGGING" not in os.environ:
             os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
-            logging.getLogger("vllm").setLevel(logging.INFO)
-        self._quiet_transformers()
-        adopt_library_loggers()
-        return self
-
-    @staticmethod
-    def _quiet_transformers() -> None:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_default_handler()
-        hf_logging.enable_propagation()
+            CONSOLE_ONLY_ENV.add("VLLM_CONFIGURE_LOGGING")
+            vllm.setLevel(logging.INFO)
         hf_logging.disable_progress_bar()  # weight loading and saving bars: noise on a run's console
+        self._adopted = adopt_library_loggers()
+        return self
 
     def uninstall(self) -> None:
         if self._installed is None:
             return
-        showwarning, handler, level = self._installed
+        showwarning, handler, level, vllm_level, bars, vllm_env = self._installed
         warnings.showwarning = showwarning
         root = logging.getLogger()
         root.removeHandler(handler)
         root.setLevel(level)
-        self._installed = None
+        logging.getLogger("vllm").setLevel(vllm_level)
+        if not vllm_env:
+            os.environ.pop("VLLM_CONFIGURE_LOGGING", None)
+            CONSOLE_ONLY_ENV.discard("VLLM_CONFIGURE_LOGGING")
+        if bars:
+            hf_logging.enable_progress_bar()
+        for lg, handlers, propagate in self._adopted:
+            for h in handlers:
+                lg.addHandler(h)
+            lg.propagate = propagate
+        self._installed, self._adopted = None, []
 
     def close(self) -> None:
         self.uninstall()
@@ -377,7 +386,7 @@ class Console:
         their loggers console handlers: adopted here. The trainer's metrics logger and
         tokenizer record each step (``step``)."""
         if self._installed is not None:
-            adopt_library_loggers()
+            self._adopted += adopt_library_loggers()
         self._t_ready, self._first_step = time.perf_counter(), trainer.start_step + 1
         self._logger, self._tokenizer = trainer.logger, trainer.tokenizer
         self.samples_every = trainer.cfg.logging.samples_every
@@ -469,21 +478,21 @@ def sample_records(samples: Sequence, tokenizer, k: int = SAMPLES) -> List[Dict[
     return out
 
 
-def adopt_library_loggers(names=THIRD_PARTY) -> int:
+def adopt_library_loggers(names=THIRD_PARTY) -> List[tuple]:
     """Remove the console handlers (stream handlers other than files) that the ``names``
     libraries put on their loggers, and let those loggers propagate to the root logger (the
-    console's handler). Returns how many loggers were adopted."""
-    adopted = 0
+    console's handler). Returns ``(logger, removed handlers, its propagate before)`` of each."""
+    adopted = []
     for name, lg in list(logging.root.manager.loggerDict.items()):
         if not isinstance(lg, logging.Logger) or name.split(".")[0] not in names:
             continue
         mine = [h for h in lg.handlers
                 if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
-        for h in mine:
-            lg.removeHandler(h)
         if mine:
+            adopted.append((lg, mine, lg.propagate))
+            for h in mine:
+                lg.removeHandler(h)
             lg.propagate = True
-            adopted += 1
     return adopted
 
 

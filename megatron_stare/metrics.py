@@ -198,7 +198,7 @@ class MetricsLogger:
             self._samples = self._open_jsonl(self._start_step, self.samples_path)
         for s in samples:
             row = {"step": int(step), **{k: _json_value(k, v) for k, v in s.items()}}
-            self._samples.write(json.dumps(row, allow_nan=False) + "\n")
+            self._samples.write(json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n")  # read by people
         self._samples.flush()
         if self._tb is not None and samples:
             text = "\n\n".join(f"reward {float(s['reward']):.3f}\n\n```\n{s['prompt']}\n--> {s['response']}\n```"

@@ -86,6 +86,7 @@ def test_warnings_and_library_logs_collapse_to_one_line_each(tmp_path):
             logging.getLogger("torch.x").error("a failure")
         console.uninstall()
         assert (warnings.showwarning, logging.getLogger().handlers) == before
+        assert lib.handlers == [own_handler] and not lib.propagate  # given back
     finally:
         console.close()
         lib.removeHandler(own_handler)

@@ -148,7 +148,8 @@ def test_console_tells_the_story(uninterrupted):
     warning once, shortened (its full text in console.log), and nothing else on stderr."""
     out, err = (uninterrupted / "stdout.txt").read_text(), (uninterrupted / "stderr.txt").read_text()
     lines, ckpt = out.splitlines(), uninterrupted / "ckpt"
-    assert lines[1] == "[megatron-stare] layout TP2xPP1xCP1xDP1 on 2 ranks | engine hf | data 32 train rows, 4 eval rows"
+    assert lines[1] == ("[megatron-stare] layout TP2xPP1xCP1xDP1 on 2 ranks | engine hf | data 32 train rows, "
+                        "4 eval rows")
     assert re.match(r"\[megatron-stare\] model Qwen2ForCausalLM, [\d.]+K parameters \(.*model\)$", lines[0]), out
     assert lines[2].startswith("[megatron-stare] 4 steps of 4 prompts x 4 responses | logs "), out
     rows = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))

@@ -13,8 +13,8 @@ import pytest
 from megatron_stare.checkpoint import finished_checkpoint
 from megatron_stare.checkpoint_manifest import write_manifest
 from megatron_stare.config import Config
-from megatron_stare.console import (WIDTH, Console, RunSummary, adopt_library_loggers, eval_line, seconds,
-                                    step_line, warning_line)
+from megatron_stare.console import Console, adopt_library_loggers
+from megatron_stare.console_lines import WIDTH, RunSummary, eval_line, seconds, step_line, warning_line
 
 FULL = {"time/generate": 28.14, "time/gather": 0.01, "time/score": 0.21, "time/release": 0.5, "time/train": 3.1,
         "time/logprob": 1.0, "time/update": 2.1, "time/resume_w": 0.3, "time/sync": 0.4, "time/resume_kv": 0.2,
@@ -97,7 +97,8 @@ def test_warnings_and_library_logs_collapse_to_one_line_each(tmp_path):
     assert out.getvalue() == ""
     log = (tmp_path / "console.log").read_text()
     # The full text of every record, each occurrence: both lines, the call site, the info record.
-    assert log.count("UserWarning: Apex is not installed.\nFalling back to Torch Norm") == 3 and "test_console.py:" in log
+    assert log.count("UserWarning: Apex is not installed.\nFalling back to Torch Norm") == 3
+    assert "test_console.py:" in log
     assert log.count("KV cache 1.0 GiB\nsecond line") == 3 and "an info record: log file only" in log
 
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.checkpoint_manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
+from megatron_stare.checkpoint_manifest import manifest_step
 
 STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -222,3 +223,22 @@ def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool
         print(f"[megatron-stare] checkpoint {d} was saved at another layout: weights and optimizer "
               f"state resumed, RNG streams start afresh", flush=True)
     return state
+
+
+def finished_checkpoint(resume: str, root: Optional[PathLike], total_steps: int) -> Optional[tuple]:
+    """``(step, path)`` when the checkpoint a run would resume from (``checkpoint.resume``,
+    ``checkpoint.dir``) is at or past ``total_steps`` and intact: the run is already complete.
+    Before any process group: each process reads the manifests itself and verifies (hashes)
+    only a candidate at ``total_steps`` or later; a damaged one is skipped like
+    ``latest_complete`` skips it (which then warns, on the run's normal path)."""
+    if resume == "never" or (resume == "auto" and not root):
+        return None
+    for d in reversed(list_checkpoints(root)) if resume == "auto" else [Path(resume)]:
+        step = manifest_step(d)
+        if step is None:
+            continue
+        if step < total_steps:
+            return None
+        if verify(d) is None:
+            return step, d
+    return None

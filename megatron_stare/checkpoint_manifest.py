@@ -154,3 +154,12 @@ def verify(d: Path) -> Optional[str]:
     for part in _from_all(found):
         bad.update(part)
     return bad[min(bad)] if bad else None
+
+
+def manifest_step(d: Path) -> Optional[int]:
+    """The step ``d``'s manifest records, or None (no manifest: the save did not finish, or an
+    unreadable one). One process reads it; no collective, nothing verified."""
+    try:
+        return int(json.loads((Path(d) / COMPLETE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None

@@ -213,11 +213,14 @@ class LoggingConfig:
     """Metrics and progress output (rank 0 only)."""
 
     dir: str = "runs/default"
-    """JSONL metrics (always) and TensorBoard events go here."""
+    """JSONL metrics (always), the console's log file (console.log) and TensorBoard events go here."""
     tensorboard: bool = True
     wandb_project: Optional[str] = None
     log_every: int = num(1, ge=0)
     """Steps between progress lines on the console, >= 0; 0 = none (metrics are logged every step)."""
+    samples_every: int = num(0, ge=0)
+    """Steps between sample generations (a few prompts, responses and rewards) written to
+    ``samples.jsonl`` beside the metrics and to TensorBoard text, >= 0; 0 = never."""
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Observability: per-step metrics to JSONL / TensorBoard / W&B, a progress line with an ETA, phase
-timers, plots.
+"""Observability: per-step metrics to JSONL / TensorBoard / W&B, sample generations, phase
+timers, plots. What the console shows of them (the step line, its ETA) is ``console.py``'s.
 
 Only rank 0 writes (pass the global rank); other ranks construct the logger and call it freely.
 Metrics are already global (reduced with ``algorithms.aggregation.MetricSums``) when they get here.
@@ -10,10 +10,14 @@ no NaN/Infinity, so non-finite floats are written as the strings ``"nan"``, ``"i
 (``float()`` reads them back; ``read_metrics`` does). A fresh run (``start_step=0``) truncates
 the file; a resumed one keeps the lines of steps before ``start_step`` and appends.
 
-Keys the progress line and ``plot_runs`` read (the trainer writes them):
-``time/<phase>`` for the phases of ``PHASES`` (seconds, from ``Timer``), ``perf/tokens_per_s``,
-``stare/entropy`` (global token-mean entropy H), ``stare/gate`` (1 on / 0 off),
-``reward/accuracy``, ``response/mean_length``.
+Samples (``<logging.dir>/samples.jsonl``, every ``logging.samples_every`` steps): one object
+per generation, ``{"step", "prompt", "response", "reward"}``, and TensorBoard text under
+``samples``; truncated on resume like the metrics.
+
+Keys the console's step line (``console_lines.step_line``) and ``plot_runs`` read (the trainer
+writes them): ``time/<phase>`` for the step's phases (``rollout/phases.py``: seconds, from ``Timer``),
+``perf/tokens_per_s``, ``stare/entropy`` (global token-mean entropy H), ``stare/gate`` (1 on /
+0 off), ``reward/mean``, ``reward/accuracy``, ``response/mean_length``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from megatron_stare.config import LoggingConfig
 
 log = logging.getLogger(__name__)
 
-PHASES = ("rollout", "reward", "logprob", "update", "sync")
 ENTROPY, GATE, ACCURACY, RESPONSE_LENGTH, TOKENS_PER_S = (
     "stare/entropy", "stare/gate", "reward/accuracy", "response/mean_length", "perf/tokens_per_s")
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -79,30 +82,6 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def format_progress(step: int, total_steps: Optional[int], metrics: Mapping[str, Any],
-                    eta_s: Optional[float] = None) -> str:
-    """``step 12/100, eta 4m12s | rollout 3.1s reward 0.2s ... | 812 tok/s | H 0.41 gate off |
-    acc 0.53``; fields whose metric is absent (or ``eta_s`` None) are left out."""
-    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
-    if eta_s is not None:
-        parts[0] += f", eta {format_duration(eta_s)}"
-    times = " ".join(f"{p} {float(metrics[f'time/{p}']):.1f}s" for p in PHASES if f"time/{p}" in metrics)
-    if times:
-        parts.append(times)
-    if TOKENS_PER_S in metrics:
-        parts.append(f"{float(metrics[TOKENS_PER_S]):.0f} tok/s")
-    stare = []
-    if ENTROPY in metrics:
-        stare.append(f"H {float(metrics[ENTROPY]):.2f}")
-    if GATE in metrics:
-        stare.append(f"gate {'on' if float(metrics[GATE]) > 0 else 'off'}")
-    if stare:
-        parts.append(" ".join(stare))
-    if ACCURACY in metrics:
-        parts.append(f"acc {float(metrics[ACCURACY]):.2f}")
-    return " | ".join(parts)
-
-
 class Timer:
     """Wall time per named phase: ``with timer("rollout"): ...``; repeated phases add up.
 
@@ -141,8 +120,7 @@ class Timer:
 
 class MetricsLogger:
     """Rank 0 writes JSONL (always), TensorBoard (``cfg.tensorboard``, if importable) and W&B
-    (``cfg.wandb_project``), and prints the progress line (with an ETA when ``total_steps`` is
-    known) every ``cfg.log_every`` steps.
+    (``cfg.wandb_project``); it prints nothing (the console's step line: ``console.py``).
 
     A W&B project without ``wandb`` installed is a ``MetricsError`` on every rank (so no rank
     waits for one that failed); a missing TensorBoard only logs a warning.
@@ -154,10 +132,10 @@ class MetricsLogger:
             raise MetricsError(f"logging.wandb_project={cfg.wandb_project!r} needs wandb: pip install wandb "
                                f"(or set logging.wandb_project=null)")
         self.cfg, self.rank, self.total_steps = cfg, rank, total_steps
-        # The ETA extrapolates the mean wall time per step since the logger started.
-        self._t0, self._first_step = time.perf_counter(), max(start_step, 1)
         self.path = os.path.join(cfg.dir, "metrics.jsonl")
-        self._file = self._tb = self._wandb = None
+        self.samples_path = os.path.join(cfg.dir, "samples.jsonl")
+        self._file = self._tb = self._wandb = self._samples = None
+        self._start_step = start_step
         if rank != 0:
             return
         os.makedirs(cfg.dir, exist_ok=True)
@@ -174,10 +152,11 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=cfg.wandb_project, dir=cfg.dir, config=run_config)
 
-    def _open_jsonl(self, start_step: int):
+    def _open_jsonl(self, start_step: int, path: Optional[str] = None):
+        path = path or self.path
         kept: List[str] = []
-        if start_step > 0 and os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as f:
+        if start_step > 0 and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
                 for ln in f:
                     try:
                         step = json.loads(ln).get("step", -1)
@@ -186,11 +165,11 @@ class MetricsLogger:
                     # Steps at or past start_step were logged after the checkpoint we resume from.
                     if step < start_step:
                         kept.append(ln if ln.endswith("\n") else ln + "\n")
-        tmp = self.path + ".tmp"
+        tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
-        os.replace(tmp, self.path)
-        return open(self.path, "a", encoding="utf-8")
+        os.replace(tmp, path)
+        return open(path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` (name -> number) of ``step``; no-op off rank 0."""
@@ -209,20 +188,30 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        if self.cfg.log_every > 0 and (step % self.cfg.log_every == 0 or step == self.total_steps):
-            print(format_progress(step, self.total_steps, metrics, self.eta(step)), flush=True)
 
-    def eta(self, step: int) -> Optional[float]:
-        """Seconds left after ``step`` at the mean pace so far (None without ``total_steps``)."""
-        if not self.total_steps:
-            return None
-        done = max(step - self._first_step + 1, 1)
-        return (time.perf_counter() - self._t0) / done * max(self.total_steps - step, 0)
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Record a few generations of ``step`` (each ``{"prompt", "response", "reward"}``) to
+        ``samples.jsonl`` and TensorBoard text; no-op off rank 0."""
+        if self.rank != 0:
+            return
+        if self._samples is None:  # opened at the first samples: a run without them has no file
+            self._samples = self._open_jsonl(self._start_step, self.samples_path)
+        for s in samples:
+            row = {"step": int(step), **{k: _json_value(k, v) for k, v in s.items()}}
+            self._samples.write(json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n")  # read by people
+        self._samples.flush()
+        if self._tb is not None and samples:
+            text = "\n\n".join(f"reward {float(s['reward']):.3f}\n\n```\n{s['prompt']}\n--> {s['response']}\n```"
+                               for s in samples)
+            self._tb.add_text("samples", text, step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

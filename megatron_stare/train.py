@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.console import Console, console_of
 from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
 from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
                                            TRAIN, Phase)
@@ -55,7 +56,7 @@ from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed en
 class Trainer:
     """Builds every part from the config, then ``fit()`` runs the steps."""
 
-    def __init__(self, cfg: Config, preemption: Optional[Preemption] = None):
+    def __init__(self, cfg: Config, preemption: Optional[Preemption] = None, console: Optional[Console] = None):
         from megatron_stare.actor import ActorSettings, MegatronActor
         from megatron_stare.algorithms.gepo import GepoShaper
         from megatron_stare.algorithms.stare import StareController
@@ -80,6 +81,7 @@ class Trainer:
                                            distributed_optimizer=p.distributed_optimizer)
         self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.model_spec))
         self.rank = dist.get_rank()
+        self.console = console_of(cfg, self.rank, console)  # what a person reads (console.py)
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype,
@@ -113,6 +115,7 @@ class Trainer:
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
                                     start_step=self.start_step + 1)  # steps are logged 1-based
+        self.console.started(self)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
@@ -134,6 +137,7 @@ class Trainer:
         finally:
             self.rollouts.close()
         self.close()
+        self.console.finished(self.start_step, stopped)
         return stopped
 
     def step(self, step: int) -> dict:
@@ -183,7 +187,7 @@ class Trainer:
                 metrics.update(self.evaluate(step))
         metrics.update(self.timer.metrics())
         metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
-        self.logger.log(step + 1, metrics)
+        self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
         c = cfg.checkpoint
         last = step + 1 == cfg.trainer.total_steps
         if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last):
@@ -295,10 +299,9 @@ class Trainer:
         with self.timer("update"):
             result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs, plans=plans)
         self.skipped += result.skipped_steps
-        if result.skipped_steps and self.rank == DRIVER:
-            print(f"[megatron-stare] step {step + 1}: {result.skipped_steps} optimizer step(s) skipped "
-                  f"(non-finite loss or grad norm {result.grad_norm}); weights and optimizer untouched",
-                  flush=True)
+        if result.skipped_steps:
+            self.console.note(f"step {step + 1}: {result.skipped_steps} optimizer step(s) skipped (non-finite "
+                              f"loss or grad norm {result.grad_norm}); weights and optimizer untouched")
         return result, stats, state, dynamics
 
     def sync_weights(self) -> None:
@@ -351,12 +354,7 @@ class Trainer:
         c = self.cfg.checkpoint
         if c.dir and step > self.saved_step:
             self.save(step)
-        if self.rank == DRIVER:
-            where = ("no checkpoint.dir: nothing saved" if not c.dir
-                     else "no step finished since the start" if step == self.start_step
-                     else f"saved {Path(c.dir).absolute() / f'step_{step:08d}'}")
-            print(f"[megatron-stare] preempted by {sig.name} after step {step}: {where}; rerun the same "
-                  f"command to resume (exit {PREEMPTED_EXIT_CODE})", flush=True)
+        self.console.preempted(sig.name, step, c.dir, self.start_step)
         return True
 
     # ------------------------------------------------------------------ state
@@ -369,9 +367,10 @@ class Trainer:
         from megatron_stare.checkpoint import save_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        save_checkpoint(self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
-                        trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
-                        hf_config=load_hf_config(self._hf_dir()))
+        self.console.saved(save_checkpoint(
+            self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
+            trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+            hf_config=load_hf_config(self._hf_dir())))
         self.saved_step = step
 
     def _resume(self) -> None:
@@ -392,8 +391,7 @@ class Trainer:
             self.gepo.load_state_dict(state["gepo"])
         self.skipped = int(state.get("skipped_steps", 0))
         self._saved_in_flight = list(state.get("in_flight", []))
-        if self.rank == DRIVER:
-            print(f"[megatron-stare] resumed from {path} at step {self.start_step}", flush=True)
+        self.console.note(f"resumed from {path} at step {self.start_step}")
 
     def export_hf(self, step: int) -> None:
         """Write the current policy as an HF checkpoint (safetensors + config + tokenizer)."""
@@ -457,17 +455,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # rank exits must not die of that SIGTERM before its line: from here the signal is only
     # recorded (preemption.py), and torchrun's SIGKILL follows after its shutdown timeout.
     preemption = Preemption.install()
+    console = Console.from_env().install()  # warnings collapsed, libraries' logging routed (console.py)
     try:
         cfg = validate_config(load_config(args.config, args.overrides),
                               world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
+        console.say(f"error: {e}", err=True)
         preemption.close()
         return 2
     stopped = None
     try:
-        stopped = Trainer(cfg, preemption).fit()
+        if not console.configure(cfg).already_complete(cfg):  # a finished run says so before any set-up
+            stopped = Trainer(cfg, preemption, console).fit()
         if stopped is not None:
             # For the launch shell (torchrun exits 1 whatever its workers return). Written
             # before any rank may exit: torchrun SIGTERMs the other workers as soon as one exits,
@@ -493,6 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # 75 like the rest, not die of that signal.
         if stopped is None:
             preemption.close()
+        console.close()
     return PREEMPTED_EXIT_CODE if stopped is not None else 0
 
 

@@ -42,7 +42,7 @@ RUNS = (("GRPO", "grpo"), ("STARE", "stare_c2"))
 BAND = (0.7, 1.3)
 """The entropy band, as multiples of the target, that counts as 'held'."""
 PROGRESS_PREFIXES = ("step ", "[megatron-stare]")
-"""Trainer output lines echoed to the console: progress (``metrics.format_progress``), notices."""
+"""Trainer output lines echoed to the console: step lines (``console_lines.step_line``), notices."""
 PROGRESS_LINES = 20
 """About this many progress lines per RL run on the console (``logging.log_every``)."""
 

@@ -61,6 +61,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..console import CONSOLE_ONLY_ENV
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, request_json
@@ -86,7 +87,8 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 def server_environ() -> Dict[str, str]:
     """This process's environment without torchrun's worker variables: what a spawned server
     inherits."""
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")
+            and k not in CONSOLE_ONLY_ENV}  # a server logs on its own terms (into its log file)
 
 
 @dataclass(frozen=True)

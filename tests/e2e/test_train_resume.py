@@ -114,7 +114,7 @@ def _comparable(rows):
 @pytest.fixture(scope="module")
 def uninterrupted(assets, tmp_path_factory):
     run = tmp_path_factory.mktemp("full")
-    _run(assets, run, "checkpoint.hf_export_every=4")
+    _run(assets, run, "checkpoint.hf_export_every=4", "logging.samples_every=2")
     return run
 
 
@@ -139,6 +139,61 @@ def test_run_trains_with_stare_and_syncs(uninterrupted):
     assert "eval/avg@4" in rows[1] and "eval/pass@4" in rows[3]
     ckpts = sorted(p.name for p in (uninterrupted / "ckpt").iterdir())
     assert ckpts == ["hf_step_00000004", "step_00000002", "step_00000004"]
+
+
+def test_console_tells_the_story(uninterrupted):
+    """What a person reads of the run (both ranks' stdout and stderr, as torchrun passes them
+    on): the start-up summary, one line per step with its generate time (non-zero), reward mean
+    and response length as in the metrics, eval and saved-checkpoint lines, the final line; each
+    warning once, shortened (its full text in console.log), and nothing else on stderr."""
+    out, err = (uninterrupted / "stdout.txt").read_text(), (uninterrupted / "stderr.txt").read_text()
+    lines, ckpt = out.splitlines(), uninterrupted / "ckpt"
+    assert lines[1] == ("[megatron-stare] layout TP2xPP1xCP1xDP1 on 2 ranks | engine hf | data 32 train rows, "
+                        "4 eval rows")
+    assert re.match(r"\[megatron-stare\] model Qwen2ForCausalLM, [\d.]+K parameters \(.*model\)$", lines[0]), out
+    assert lines[2].startswith("[megatron-stare] 4 steps of 4 prompts x 4 responses | logs "), out
+    rows = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert len(steps) == 4, out
+    for ln, r in zip(steps, rows):
+        gen = re.search(r"\| generate (\d+)ms |\| generate ([\d.]+)s ", ln)
+        assert gen and float(gen.group(1) or gen.group(2)) > 0 and r["time/generate"] > 0, ln
+        assert ln.startswith(f"step {r['step']}/4, eta ") and " score " in ln and " train " in ln and " sync " in ln
+        assert f"| reward {r['reward/mean']:.2f} " in ln and f" len {r['response/mean_length']:.1f} |" in ln, ln
+        assert f"| H {r['stare/entropy']:.2f}/10.00 gate on | " in ln and ln.endswith(" tok/s"), ln
+    story = [ln for ln in lines if not ln.startswith("step ")][3:]
+    assert story[:-1] == [
+        f"[megatron-stare] eval after step 2: avg@4 {rows[1]['eval/avg@4']:.3f} pass@4 {rows[1]['eval/pass@4']:.3f} "
+        f"len {rows[1]['eval/response_len_mean']:.1f}", f"[megatron-stare] saved checkpoint {ckpt / 'step_00000002'}",
+        f"[megatron-stare] eval after step 4: avg@4 {rows[3]['eval/avg@4']:.3f} pass@4 {rows[3]['eval/pass@4']:.3f} "
+        f"len {rows[3]['eval/response_len_mean']:.1f}", f"[megatron-stare] saved checkpoint {ckpt / 'step_00000004'}"]
+    assert re.match(rf"\[megatron-stare\] done: 4 steps in \d+s \(set-up \d+s\) \| checkpoint "
+                    rf"{re.escape(str(ckpt / 'step_00000004'))} \| logs {re.escape(str(uninterrupted / 'logs'))}$",
+                    story[-1]), out
+    # Warnings: each once (rank 0's; the Megatron ones would come from both ranks), one line each.
+    warned = err.splitlines()
+    assert warned and all(ln.startswith("[warning] ") for ln in warned), err
+    assert len(set(warned)) == len(warned) and sum("Apex is not installed" in ln for ln in warned) <= 3, err
+    log = (uninterrupted / "logs" / "console.log").read_text()
+    assert "UserWarning: Apex is not installed. Falling back to Torch Norm" in log and steps[-1] in log
+    # logging.samples_every=2: the first response of each of 4 prompts at steps 2 and 4.
+    samples = read_metrics(str(uninterrupted / "logs" / "samples.jsonl"))
+    assert [s["step"] for s in samples] == [2] * 4 + [4] * 4
+    assert all(s["prompt"] and isinstance(s["response"], str) and s["reward"] in (0.0, 1.0) for s in samples)
+
+
+def test_rerun_of_a_finished_run_says_so_and_exits_at_once(assets, uninterrupted, tmp_path):
+    """The same command on a finished run's checkpoints: one line, exit 0, before any set-up
+    (nothing built: no metrics file, no model import's warnings)."""
+    shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
+    t0 = time.monotonic()
+    out = _run(assets, tmp_path)
+    took = time.monotonic() - t0
+    assert out.stdout.splitlines() == [
+        f"[megatron-stare] already complete: {tmp_path / 'ckpt' / 'step_00000004'} is step 4 of "
+        f"trainer.total_steps=4; nothing to do (raise trainer.total_steps to train on)"], out.stdout
+    assert out.stderr == "" and not (tmp_path / "logs" / "metrics.jsonl").exists()
+    print(f"already-complete rerun: {took:.1f}s")
 
 
 def test_hf_export_is_loadable_and_trained(assets, uninterrupted):

@@ -1,4 +1,5 @@
-"""Observability: JSONL round trip, rank 0 only, resume truncation, progress line, timer, plot."""
+"""Observability: JSONL round trip, rank 0 only, resume truncation, samples, timer, plot (the
+console's step line: test_console.py)."""
 
 import json
 import math
@@ -9,10 +10,9 @@ import pytest
 import torch
 
 from megatron_stare.config import LoggingConfig
-from megatron_stare.metrics import (MetricsError, MetricsLogger, Timer, format_duration, format_progress,
-                                    plot_runs, read_metrics)
+from megatron_stare.metrics import MetricsError, MetricsLogger, Timer, format_duration, plot_runs, read_metrics
 
-FULL = {"time/rollout": 3.14, "time/reward": 0.21, "time/logprob": 1.0, "time/update": 2.2, "time/sync": 0.4,
+FULL = {"time/generate": 3.14, "time/score": 0.21, "time/logprob": 1.0, "time/update": 2.2, "time/sync": 0.4,
         "perf/tokens_per_s": 812.4, "stare/entropy": 0.4123, "stare/gate": 0.0, "reward/accuracy": 0.531}
 
 
@@ -28,7 +28,7 @@ def test_jsonl_round_trip_and_non_finite(tmp_path, capsys):
     assert json.loads(lines[1]) == {"step": 2, "loss": "nan", "up": "inf", "down": "-inf"}  # strict JSON
     rows = read_metrics(logger.path)
     assert math.isnan(rows[1]["loss"]) and rows[1]["up"] == math.inf and rows[1]["down"] == -math.inf
-    assert capsys.readouterr().out.splitlines()[0].startswith("step 1/3")
+    assert capsys.readouterr().out == ""  # the console prints the step line (console.py)
     with MetricsLogger(cfg, rank=0) as logger, pytest.raises(MetricsError, match="'x' must be a number, got list"):
         logger.log(1, {"x": [1]})
 
@@ -72,24 +72,33 @@ def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
         MetricsLogger(LoggingConfig(dir=str(tmp_path), wandb_project="proj"), rank=3)
 
 
-def test_progress_line():
-    line = format_progress(12, 100, FULL)
-    assert line == ("step 12/100 | rollout 3.1s reward 0.2s logprob 1.0s update 2.2s sync 0.4s | 812 tok/s "
-                    "| H 0.41 gate off | acc 0.53")
-    assert format_progress(3, None, {"stare/gate": 1, "reward/accuracy": 1.0}) == "step 3 | gate on | acc 1.00"
-    assert format_progress(12, 100, {}, eta_s=252.4) == "step 12/100, eta 4m12s"
+def test_format_duration():
     assert [format_duration(s) for s in (0, 42.4, 3599, 3600 * 3 + 300)] == ["0s", "42s", "59m59s", "3h05m"]
 
 
-def test_progress_line_has_an_eta_from_the_pace_so_far(tmp_path, capsys, monkeypatch):
-    """Resumed at step 5 of 20; steps take 2 s each: after step 6 (2 steps, 4 s), 14 steps are left."""
-    clock = iter([100.0, 102.0, 104.0])
-    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
-    cfg = LoggingConfig(dir=str(tmp_path), tensorboard=False, log_every=1)
-    with MetricsLogger(cfg, rank=0, total_steps=20, start_step=5) as logger:
-        logger.log(5, {})
-        logger.log(6, {})
-    assert capsys.readouterr().out.splitlines() == ["step 5/20, eta 30s", "step 6/20, eta 28s"]
+def test_samples_jsonl_and_tensorboard_text(tmp_path):
+    """A few generations per logged step to samples.jsonl (not the metrics file), truncated on
+    resume like the metrics; TensorBoard gets them as text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggingConfig(dir=str(tmp_path), tensorboard=True)
+    one = [{"prompt": "1+1=", "response": " 2", "reward": 1.0}, {"prompt": "2+2=", "response": " 5", "reward": 0}]
+    with MetricsLogger(cfg, rank=0) as logger:
+        logger.log(2, {"x": 1})
+        logger.log_samples(2, one)
+        logger.log_samples(4, one[:1])
+    rows = read_metrics(str(tmp_path / "samples.jsonl"))
+    assert rows == [{"step": 2, **one[0]}, {"step": 2, **one[1]}, {"step": 4, **one[0]}]
+    assert [r["step"] for r in read_metrics(logger.path)] == [2]
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("samples/text_summary")]
+    assert len(texts) == 2 and "1+1=" in texts[0] and "-->  2" in texts[0] and "reward 0.000" in texts[0]
+    with MetricsLogger(cfg, rank=0, start_step=3) as logger:  # resumed from the step-2 checkpoint
+        logger.log_samples(3, one[1:])
+    assert [(r["step"], r["prompt"]) for r in read_metrics(str(tmp_path / "samples.jsonl"))] == \
+        [(2, "1+1="), (2, "2+2="), (3, "2+2=")]
+    with MetricsLogger(cfg, rank=1) as logger:
+        logger.log_samples(5, one)  # other ranks write nothing
 
 
 def test_timer_collects_phases():

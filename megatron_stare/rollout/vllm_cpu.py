@@ -30,7 +30,7 @@ _BACKEND = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend", "get_s
 #: vLLM-CPU's own variable for the KV cache size, in GiB (an integer).
 KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 #: Share of the node's available memory the default gives all of its CPU engines' KV caches.
-DEFAULT_MEMORY_SHARE = 0.2
+DEFAULT_MEMORY_SHARE = 0.1
 #: Largest default KV cache per engine, GiB (a CPU engine serves few sequences at a time).
 DEFAULT_CAP_GB = 4.0
 #: Smallest default KV cache per engine, GiB.

@@ -30,6 +30,10 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from megatron_stare.preemption import INTERRUPTED_EXIT_CODE, REPEAT_WINDOW_S, STATUS_FILE_ENV
 
 #: torchrun's signals: its defaults and SIGUSR1 (launch/common.sh), without SIGINT (ours).
@@ -80,6 +84,8 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.presses = 0
+        self.workers: List[int] = []
+        """The workers the presses went to."""
         self._last: Optional[float] = None
 
     def handle(self, signum: int, frame) -> None:
@@ -89,6 +95,7 @@ class Interrupts:
         self._last = now
         self.presses += 1
         workers = children(os.getpid())
+        self.workers = sorted(set(self.workers) | set(workers))
         if not workers:
             raise KeyboardInterrupt  # no worker started yet: nothing to save
         for pid in workers:
@@ -134,10 +141,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"{USAGE}\nerror: {e}", file=sys.stderr)
         return 2
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     fd, status = tempfile.mkstemp(prefix="megatron-stare-status.")
     os.close(fd)
     os.environ[STATUS_FILE_ENV] = status
@@ -155,6 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = INTERRUPTED_EXIT_CODE
     finally:
         signal.signal(signal.SIGINT, previous)
+        if interrupts.presses > 1:  # stopped at once: nothing of the workers' groups lives on
+            _kill_groups(interrupts.workers)
         written = _read_status(status)
         os.unlink(status)
     if written is not None:

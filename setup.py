@@ -30,5 +30,6 @@ setup(
         "sglang": ["sglang>=0.5"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["megatron-stare-train=megatron_stare.train:main"]},
+    entry_points={"console_scripts": ["megatron-stare-train=megatron_stare.train:main",
+                                      "megatron-stare-run=megatron_stare.run:main"]},
 )

@@ -1,13 +1,16 @@
 """Megatron distributed checkpoint -> HF safetensors shards + config.json + tokenizer files.
 
     python -m checkpoints_convert.megatron_to_hf --ckpt ckpt/qwen25_7b --out Qwen2.5-7B-rl
+    python -m checkpoints_convert.megatron_to_hf --ckpt runs/x/ckpt/step_00000040 --out hf_step40
     torchrun --standalone --nproc-per-node 8 -m checkpoints_convert.megatron_to_hf \
         --ckpt ckpt/qwen25_32b --out Qwen2.5-32B-rl --tp 4 --pp 2 --shard-size 5GB
 
 The checkpoint loads at the given layout (any, not necessarily the one it was saved at); the
 model streams out stage by stage in buckets of ``--shard-size`` to rank 0, which writes each
 bucket as one safetensors shard: no rank holds the whole model. The output directory is
-written as ``.<name>.partial`` and renamed when complete.
+written as ``.<name>.partial`` and renamed when complete. A trainer's step directory converts
+as is: its ``model/`` holds the run's tokenizer files, chat template and generation config
+(under ``hf/``), which the output gets (``--hf-config-dir`` overrides them).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def parse_size(text: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, type=Path, help="distributed checkpoint directory")
+    p.add_argument("--ckpt", required=True, type=Path,
+                   help="distributed checkpoint directory, or a trainer checkpoint's step directory "
+                        "(runs/x/step_00000040, whose model/ it converts)")
     p.add_argument("--out", required=True, type=Path, help="HF directory to create")
     p.add_argument("--hf-config-dir", type=Path, default=None,
                    help="take config.json and tokenizer files from here (default: the copies "
@@ -48,6 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest safetensors shard / transfer bucket (default 2GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return p.parse_args(argv)
+
+
+def model_dir(ckpt: Path) -> Path:
+    """The model checkpoint of ``ckpt``: itself, or the ``model/`` of a trainer's step directory."""
+    from megatron_stare.models.dist_ckpt import META_FILE
+
+    if not (ckpt / META_FILE).is_file() and (ckpt / "model" / META_FILE).is_file():
+        return ckpt / "model"
+    return ckpt
 
 
 def _hf_config(args, meta, spec) -> dict:
@@ -68,11 +82,12 @@ def main(argv=None) -> None:
     import torch
 
     from megatron_stare.models.dist_ckpt import load_model, read_meta
-    from megatron_stare.models.hf_export import write_hf_checkpoint
+    from megatron_stare.models.hf_export import SIDE_DIR, write_hf_checkpoint
     from megatron_stare.models.provider import build_model_stage, model_shape
     from megatron_stare.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     try:
+        args.ckpt = model_dir(args.ckpt)
         meta = read_meta(args.ckpt)
         spec = meta.gpt_spec()
         hf_config = _hf_config(args, meta, spec)
@@ -84,6 +99,10 @@ def main(argv=None) -> None:
     except ValueError as e:
         fail(PROG, str(e))
     dtype_name = config_dtype(hf_config) if args.dtype == "auto" else DTYPES[args.dtype]
+    side_dir = args.hf_config_dir or (args.ckpt / SIDE_DIR)
+    if not (side_dir / "tokenizer_config.json").is_file() and not (side_dir / "tokenizer.json").is_file():
+        log(f"warning: no tokenizer files in {side_dir} (a checkpoint saved before they were recorded); "
+            f"pass --hf-config-dir MODEL_DIR to add the model's tokenizer and chat template")
     log(f"{spec.architecture} checkpoint saved at {meta.saved_layout}; loading at tp={layout.tp} "
         f"pp={layout.pp}; writing {dtype_name} shards of <= {args.shard_size} bytes")
     groups = init_distributed(layout, shape=model_shape(spec))
@@ -95,7 +114,7 @@ def main(argv=None) -> None:
         log("checkpoint loaded")
         write_hf_checkpoint(
             model, groups, spec, out, hf_config=hf_config, bucket_bytes=args.shard_size,
-            side_files_dir=args.hf_config_dir or (args.ckpt / "hf"), dtype=getattr(torch, dtype_name),
+            side_files_dir=side_dir, dtype=getattr(torch, dtype_name),
             on_shard=lambda w, bucket: log(f"wrote shard {w.num_shards}: {len(bucket)} tensors, "
                                            f"{bucket.nbytes / 2**20:.1f} MiB"))
         log(f"wrote {out}")

@@ -21,19 +21,24 @@ TORCHRUN_SIGNALS=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --sh
 
 # run_torchrun CMD...: run torchrun and relay SIGUSR1/SIGTERM sent to this shell (by srun, or a
 # user) to it. torchrun exits 1 whatever its workers return, so a preempted run (this node's
-# local rank 0 writes 75 to $MEGATRON_STARE_STATUS_FILE) exits 75 here; otherwise torchrun's code.
+# local rank 0 writes 75, or 130 after Ctrl-C, or 2 after a user error, to
+# $MEGATRON_STARE_STATUS_FILE) exits with that code here; otherwise torchrun's code.
 run_torchrun() {
   local status pid= pending= rc=0
   status=$(mktemp "${TMPDIR:-/tmp}/megatron-stare-status.XXXXXX")
   trap 'if [[ -n $pid ]]; then kill -USR1 "$pid" 2>/dev/null || true; else pending=USR1; fi' USR1
   trap 'if [[ -n $pid ]]; then kill -TERM "$pid" 2>/dev/null || true; else pending=TERM; fi' TERM
+  # Ctrl-C reaches this shell and torchrun together (one process group); torchrun forwards it to
+  # the workers (they save, exit 130). This shell only keeps waiting: a relayed copy would end
+  # torchrun in the middle of its shutdown.
+  trap ':' INT
   MEGATRON_STARE_STATUS_FILE=$status "$@" &
   pid=$!
   if [[ -n $pending ]]; then kill -"$pending" "$pid" 2>/dev/null || true; fi
   # A trapped signal interrupts `wait`; bash keeps the child's status, so wait until it is gone.
   while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
   wait "$pid" || rc=$?
-  trap - USR1 TERM
+  trap - USR1 TERM INT
   if [[ -s $status ]]; then rc=$(<"$status"); fi
   rm -f "$status"
   exit "$rc"

@@ -111,9 +111,14 @@ def _rank() -> int:
 
 
 def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_state: Dict[str, Any],
-                    keep_last: int = 3, hf_config: Optional[dict] = None) -> Path:
-    """Save step ``step`` (collective over all ranks); prune to the newest ``keep_last``."""
+                    keep_last: int = 3, hf_config: Optional[dict] = None,
+                    hf_dir: Optional[PathLike] = None) -> Path:
+    """Save step ``step`` (collective over all ranks); prune to the newest ``keep_last``.
+
+    ``hf_dir``: the run's HF model directory; its tokenizer files, chat template and generation
+    config are saved under ``model/hf/``, so ``megatron_to_hf`` writes a model that generates."""
     from megatron_stare.models.dist_ckpt import save_model, save_optimizer
+    from megatron_stare.models.hf_export import side_files
 
     root = Path(root).absolute()
     final = root / f"step_{step:08d}"
@@ -124,7 +129,8 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config)
+    save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config,
+               extra_files=side_files(hf_dir) if hf_dir is not None else None)
     save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
     per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
     part = tmp / f"rank_{dist.get_rank():05d}.pt"

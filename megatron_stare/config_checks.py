@@ -11,6 +11,7 @@ the fix. In order:
 2. the parallel layout against the world size, the device, and the model's shape: TP divides
    the attention heads, the KV heads and the FFN width, PP the layers (``ParallelLayout``);
    the rollout engine's TP against the heads (vLLM's rules) and, colocated, the world size;
+   on CPU, the head size against the ones vLLM's CPU attention serves (read from vLLM);
    every rollout setting the chosen engine cannot honour (``_check_engine``: SGLang without
    CUDA, server URLs for an engine that takes none, top-p/top-k whose log-probs the trainer
    cannot match, checksums SGLang cannot report);
@@ -30,6 +31,7 @@ from typing import Optional
 
 from megatron_stare.config_fields import ConfigError, check_fields
 from megatron_stare.config_sections import Config
+from megatron_stare.rollout import vllm_cpu
 from megatron_stare.rollout.spec import ENGINE_TRAITS
 
 #: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
@@ -96,6 +98,17 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
              f"or replicates the KV heads); choose rollout.tp dividing {kv} or a multiple of it")
     _require(spec.ffn_hidden_size % r.tp == 0, f"rollout.tp={r.tp} does not divide the FFN width "
                                                f"{spec.ffn_hidden_size}; choose a divisor")
+
+
+def _check_cpu_attention(cfg: Config, cuda: bool, spec) -> None:
+    """A vLLM engine on this CPU machine (colocated, or a server the driver spawns) must serve the
+    model's head size: vLLM-CPU's attention has a fixed list (read from vLLM, ``rollout/vllm_cpu.py``)."""
+    r = cfg.rollout
+    on_cpu = not cuda and (r.engine == "vllm" or r.engine == "vllm-server" and not r.server_urls)
+    if spec is None or not on_cpu:
+        return
+    problem = vllm_cpu.head_size_problem(spec.head_dim)
+    _require(problem is None, f"rollout.engine={r.engine}: {problem}")
 
 
 def _check_multi_turn(cfg: Config) -> None:
@@ -270,6 +283,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
     _check_engine(cfg, cuda)
     _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
+    _check_cpu_attention(cfg, cuda, spec)
     _check_lengths(cfg, spec)
 
     d = cfg.data

@@ -101,7 +101,12 @@ class RolloutConfig:
     attention heads, and a colocated engine's must divide the world size."""
     gpu_memory_utilization: float = num(0.5, gt=0, le=1)
     """Fraction of a GPU's memory an engine on the trainer's GPUs may take (weights, KV cache,
-    workspace), in (0, 1]: vLLM's gpu_memory_utilization, SGLang's mem_fraction_static."""
+    workspace), in (0, 1]: vLLM's gpu_memory_utilization, SGLang's mem_fraction_static. The GPU
+    knob: vLLM on CPU sizes its KV cache from ``cpu_kv_cache_gb`` instead."""
+    cpu_kv_cache_gb: float = num(0.0, ge=0)
+    """KV cache of each vLLM engine on CPU, GiB, >= 0 (vLLM's kv_cache_memory_bytes); 0 = auto:
+    ``$VLLM_CPU_KVCACHE_SPACE`` when set, else a tenth of the available memory split over the
+    node's engines, capped at 4 GiB (``rollout/vllm_cpu.py``)."""
     sync_bucket_mb: int = num(512, ge=1)
     """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
     verify_sync: bool = False

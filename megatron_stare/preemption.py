@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 75.
+"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 75;
+SIGINT (Ctrl-C) does the same and exits 130.
 
 A signal handler only records the signal. At every step boundary the ranks all-reduce (MAX) what
 they recorded (``Preemption.agreed``), so every rank takes the same decision at the same step,
@@ -23,6 +24,13 @@ How the signal reaches every rank (the launch scripts arrange it; see launch/com
   the workers returned: the launch shell maps a preempted run back to exit 75 through the
   status file named by ``STATUS_FILE_ENV`` (written by each node's local rank 0).
 
+Ctrl-C: a terminal sends SIGINT to its foreground process group, and a launcher forwards it
+again, so one press can arrive several times: copies within ``REPEAT_WINDOW_S`` of the first
+count as one press. A second press later than that stops the process at once (the handler
+raises ``KeyboardInterrupt``; ``train.main`` turns it into one line and exit 130, nothing saved:
+the last complete checkpoint is what remains). ``python -m megatron_stare.run`` (the README's
+command) forwards each press to the workers itself, so torchrun never sees SIGINT.
+
 The grace period is the smaller of torchrun's shutdown timeout and the scheduler's warning lead;
 a step plus a save must fit in it. If it does not, the SIGKILL lands mid-step or mid-save, and
 the last complete checkpoint is what remains: saves are atomic (``checkpoint.py``).
@@ -34,6 +42,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 if TYPE_CHECKING:  # reward workers import this module and need no torch
@@ -41,10 +51,19 @@ if TYPE_CHECKING:  # reward workers import this module and need no torch
     import torch.distributed as dist
 
 #: The signals that request a checkpoint-and-exit.
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 #: Exit code of a run that stopped on a preemption signal after saving (sysexits' EX_TEMPFAIL:
 #: "try again later"); rerun the same command to resume.
 PREEMPTED_EXIT_CODE = 75
+#: Exit code of a run stopped by Ctrl-C (SIGINT), saved or not: the shell's 128 + SIGINT.
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+#: SIGINTs within this many seconds of the first are copies of one press (terminal + launcher).
+REPEAT_WINDOW_S = 1.0
+
+
+def exit_code(sig: Optional[int]) -> int:
+    """The exit code of a run stopped by ``sig``: 130 for SIGINT, else 75."""
+    return INTERRUPTED_EXIT_CODE if sig == signal.SIGINT else PREEMPTED_EXIT_CODE
 #: When set, each node's local rank 0 writes its exit code to this file on a preempted exit, for
 #: the launch shell (torchrun itself exits 1 whatever its workers return).
 STATUS_FILE_ENV = "MEGATRON_STARE_STATUS_FILE"
@@ -60,6 +79,9 @@ class Preemption:
     def __init__(self) -> None:
         self.received: Optional[int] = None
         """The first preemption signal this process received (its number), or None."""
+        self.stopped_by: Optional[signal.Signals] = None
+        """The signal the ranks agreed to stop on (``agreed``), or None."""
+        self._first_interrupt: Optional[float] = None
         self._previous: Dict[int, object] = {}
 
     @classmethod
@@ -72,6 +94,12 @@ class Preemption:
     def _record(self, signum: int, frame) -> None:
         # Only a flag: a handler runs between two bytecodes of the main thread, which may be in
         # the middle of a print or a collective; everything else happens at the step boundary.
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+            elif now - self._first_interrupt > REPEAT_WINDOW_S:
+                raise KeyboardInterrupt  # a second press: stop now
         if self.received is None:
             self.received = signum
 
@@ -87,7 +115,12 @@ class Preemption:
         flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         value = int(flag.item())
-        return signal.Signals(value) if value else None
+        self.stopped_by = signal.Signals(value) if value else None
+        return self.stopped_by
+
+    def exit_code(self) -> int:
+        """The exit code of a run stopped by the agreed signal (``exit_code``)."""
+        return exit_code(self.stopped_by)
 
     def close(self) -> None:
         for s, handler in self._previous.items():
@@ -115,3 +148,12 @@ def write_status(code: int) -> None:
     if path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         with open(path, "w") as f:
             f.write(f"{code}\n")
+
+
+def interrupted_again() -> int:
+    """A second Ctrl-C stopped the process mid-step: one line (rank 0), the status file, 130."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("[megatron-stare] interrupted again: stopped without saving; the last complete "
+              "checkpoint is kept", file=sys.stderr, flush=True)
+    write_status(INTERRUPTED_EXIT_CODE)
+    return INTERRUPTED_EXIT_CODE

@@ -27,9 +27,9 @@ batches of the next k steps generate in a worker thread while this step trains (
 before the sync, and a sample is at most k policy versions old. With k = 0 ``fit`` runs exactly
 ``step``.
 
-Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1) arrived; if so the
-run saves the finished step and exits with code 75 (``preemption.py``); rerunning resumes exactly.
-Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, else a failure.
+Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1, SIGINT) arrived; if so
+the run saves the finished step and exits 75 (130 on Ctrl-C, ``preemption.py``); reruns resume exactly.
+Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, 130 Ctrl-C, else a failure.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
-from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
+from megatron_stare.preemption import Preemption, exit_code, interrupted_again, write_status
 from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
                                            TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
@@ -354,7 +354,7 @@ class Trainer:
         c = self.cfg.checkpoint
         if c.dir and step > self.saved_step:
             self.save(step)
-        self.console.preempted(sig.name, step, c.dir, self.start_step)
+        self.console.preempted(sig.name, step, c.dir, self.start_step, exit_code(sig))
         return True
 
     # ------------------------------------------------------------------ state
@@ -370,7 +370,7 @@ class Trainer:
         self.console.saved(save_checkpoint(
             self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
             trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
-            hf_config=load_hf_config(self._hf_dir())))
+            hf_config=load_hf_config(self._hf_dir()), hf_dir=self._hf_dir()))
         self.saved_step = step
 
     def _resume(self) -> None:
@@ -462,6 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         console.say(f"error: {e}", err=True)
         preemption.close()
+        write_status(2)
         return 2
     stopped = None
     try:
@@ -471,7 +472,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # For the launch shell (torchrun exits 1 whatever its workers return). Written
             # before any rank may exit: torchrun SIGTERMs the other workers as soon as one exits,
             # so no rank leaves this barrier before every node's local rank 0 has written it.
-            write_status(PREEMPTED_EXIT_CODE)
+            write_status(preemption.exit_code())
             if dist.is_initialized():
                 dist.barrier()
     except ValueError as e:
@@ -483,7 +484,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
         if int(os.environ.get(first, "0")) == 0:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        write_status(2)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (preemption.py): stopped at once, nothing saved
+        return interrupted_again()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -493,7 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if stopped is None:
             preemption.close()
         console.close()
-    return PREEMPTED_EXIT_CODE if stopped is not None else 0
+    return preemption.exit_code() if stopped is not None else 0
 
 
 if __name__ == "__main__":

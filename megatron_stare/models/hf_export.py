@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,16 @@ from megatron_stare.parallel import ParallelGroups
 TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "chat_template.jinja", "added_tokens.json")
+#: Where a Megatron checkpoint keeps its HF side files (config, tokenizer, chat template).
+SIDE_DIR = "hf"
+
+
+def side_files(hf_dir: Union[str, Path]) -> Dict[str, Path]:
+    """``{"hf/<name>": path}`` for the config and ``TOKENIZER_FILES`` present in ``hf_dir``: the
+    files a checkpoint carries so that it converts back to a model that tokenizes, applies its
+    chat template and generates (``save_sharded(extra_files=...)``)."""
+    return {f"{SIDE_DIR}/{name}": Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES)
+            if (Path(hf_dir) / name).is_file()}
 
 
 def write_hf_checkpoint(model, groups: ParallelGroups, spec: GPTSpec, out: Union[str, Path], *,

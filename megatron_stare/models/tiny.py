@@ -8,8 +8,9 @@ and a byte-level BPE tokenizer trained locally with ``tokenizers`` on a small bu
 deterministic function of the arguments (same seed -> same bytes), and results are cached per
 process, so a test session builds each variant once and copies it.
 
-Defaults: hidden 128, 4 heads of 32 (vLLM-CPU needs head size >= 32), 2 KV heads (GQA ratio 2),
-ffn 256, 2 layers, vocab 397 (odd: not divisible by any TP degree, so padding is exercised).
+Defaults: hidden 128, 4 heads of 32 (a head size vLLM-CPU serves: ``rollout/vllm_cpu.py``), 2 KV
+heads (GQA ratio 2), ffn 256, 2 layers, vocab 397 (odd: not divisible by any TP degree, so padding
+is exercised).
 """
 
 

@@ -27,6 +27,10 @@ Log-probs: every engine returns the log-prob of the sampled token under the dist
 sampled from, ``softmax(logits / temperature)`` (see ``rollout/base.py``); the config
 refuses top-p/top-k for training rollouts (``config_checks.py``), so that distribution is the
 one the trainer's log-prob pass computes.
+
+Memory: on GPUs an engine takes ``rollout.gpu_memory_utilization`` of each GPU; a vLLM engine
+on CPU gets an explicit KV cache instead (``cpu_kv_cache_bytes``, see ``vllm_cpu.py``), since
+vLLM-CPU reads that fraction as a share of the host's RAM for each engine.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple
 
 from megatron_stare.config_fields import ConfigError
+from megatron_stare.rollout import vllm_cpu
 
 if TYPE_CHECKING:
     from megatron_stare.config_sections import Config
@@ -180,6 +185,9 @@ class EngineSpec:
     joins_process_group: bool
     """A colocated vLLM joins the trainer's process group (``external_launcher``)."""
     cuda: bool
+    cpu_kv_cache_bytes: int = 0
+    """KV cache of a vLLM engine on CPU, bytes (vLLM's ``kv_cache_memory_bytes``, from
+    ``rollout.cpu_kv_cache_gb``: ``vllm_cpu.kv_cache_gb``); 0 on GPU and for other engines."""
 
     @property
     def traits(self) -> EngineTraits:
@@ -210,7 +218,16 @@ class EngineSpec:
             eval_sampling=SamplingDefaults(n=r.eval_n, temperature=r.eval_temperature, top_p=r.eval_top_p,
                                            top_k=0, max_new_tokens=r.max_new_tokens),
             sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync,
-            world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda)
+            world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda,
+            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world))
+
+
+def _cpu_kv_cache_bytes(r, w: EngineWorld) -> int:
+    """A vLLM engine's KV cache on CPU: one engine per rank of the node (colocated), else one."""
+    if w.cuda or not r.engine.startswith("vllm"):
+        return 0
+    engines = w.local_world_size if ENGINE_TRAITS[r.engine].colocated else 1
+    return int(vllm_cpu.kv_cache_gb(r.cpu_kv_cache_gb, engines) * 2**30)
 
 
 def _devices(engine: str, tp: int, urls: Tuple[str, ...], w: EngineWorld) -> EngineDevices:

@@ -9,7 +9,8 @@ vLLM reuses the trainer's default process group, and the engine's tensor-paralle
 differ from the trainer's (each rank feeds its engine rank the full HF stream; vLLM shards it).
 
 Built from the spec (``llm_kwargs``): the policy's dtype, ``rollout.tp``, the memory budget
-``rollout.gpu_memory_utilization``, ``max_model_len`` = the context length, the trainer's seed,
+``rollout.gpu_memory_utilization`` (on CPU an explicit KV cache: ``rollout.cpu_kv_cache_gb``),
+``max_model_len`` = the context length, the trainer's seed,
 ``logprobs_mode="processed_logprobs"`` (the log-prob convention of ``rollout/base.py``),
 ``generation_config="vllm"`` (the model's generation defaults, e.g. a repetition penalty, must
 not change the sampled distribution), sleep mode on GPU, and, inside the trainer's ranks,
@@ -54,6 +55,8 @@ def llm_kwargs(spec: EngineSpec) -> dict:
           "max_model_len": spec.context_length, "tensor_parallel_size": spec.tp,
           "gpu_memory_utilization": spec.gpu_memory_utilization, "enforce_eager": not spec.cuda,
           "enable_sleep_mode": spec.cuda, "logprobs_mode": LOGPROBS_MODE, "generation_config": "vllm"}
+    if not spec.cuda and spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
+        kw["kv_cache_memory_bytes"] = spec.cpu_kv_cache_bytes
     if spec.joins_process_group:  # every trainer rank hosts one engine rank
         kw["distributed_executor_backend"] = "external_launcher"
         if spec.world_size > spec.tp:

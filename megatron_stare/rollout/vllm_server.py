@@ -119,6 +119,8 @@ def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) 
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if not spec.cuda:
         argv.append("--enforce-eager")
+        if spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
+            argv += ["--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
     elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep
         argv.append("--enable-sleep-mode")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))

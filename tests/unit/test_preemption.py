@@ -102,3 +102,23 @@ def test_checkpoint_writer_survives_preemption_signals(tmp_path):
     assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, torch.arange(6.0).reshape(2, 3)), loaded
     (alive, loaded, _, _), = run_on_ranks(_writer_queue_after_signals, 1, False, str(tmp_path / "b"))
     assert not alive and isinstance(loaded, str), loaded
+
+
+def test_ctrl_c_copies_are_one_press_and_a_later_press_stops_at_once(monkeypatch):
+    """SIGINT is a preemption signal (exit 130); copies within REPEAT_WINDOW_S of the first (a
+    terminal's and a launcher's) are one press; a press after that raises KeyboardInterrupt."""
+    from megatron_stare import preemption
+
+    assert signal.SIGINT in PREEMPTION_SIGNALS
+    assert preemption.exit_code(signal.SIGINT) == 130 and preemption.exit_code(signal.SIGTERM) == 75
+    clock = [100.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    with Preemption.install() as p:
+        os.kill(os.getpid(), signal.SIGINT)
+        clock[0] += preemption.REPEAT_WINDOW_S - 0.01
+        os.kill(os.getpid(), signal.SIGINT)  # a copy of the same press: only recorded
+        assert p.received == signal.SIGINT
+        clock[0] += 0.02
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -53,13 +53,16 @@ def test_spec_translates_into_vllms_real_arguments(setup):
     kw = llm_kwargs(spec)
     accepted = set(inspect.signature(LLM.__init__).parameters) | {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(kw) <= accepted, set(kw) - accepted
+    # On CPU the KV cache is explicit (rollout.cpu_kv_cache_gb; here from $VLLM_CPU_KVCACHE_SPACE).
     assert kw == {"model": str(a), "dtype": "float32", "seed": 0, "max_model_len": 128, "tensor_parallel_size": 1,
                   "gpu_memory_utilization": 0.5, "enforce_eager": True, "enable_sleep_mode": False,
-                  "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
+                  "logprobs_mode": "processed_logprobs", "generation_config": "vllm",
+                  "kv_cache_memory_bytes": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
     # What the live engine was built with (its own config, not our record of it).
     mc = eng.llm.llm_engine.vllm_config.model_config
     assert (mc.max_model_len, mc.logprobs_mode, str(mc.dtype), mc.generation_config) == (
         128, "processed_logprobs", "torch.float32", "vllm")
+    assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
     # Inside the trainer's ranks (a process group): external_launcher, data parallel over the rest.
     world = dataclasses.replace(spec, world_size=4, tp=2, joins_process_group=True, cuda=True)
     kw = llm_kwargs(world)
@@ -88,6 +91,7 @@ def test_server_command_is_vllms_own_cli(setup):
                 ns.seed, ns.logprobs_mode, ns.generation_config, ns.enforce_eager, ns.enable_sleep_mode,
                 ns.port) == (s.model_path, s.tp, s.dtype, 128, s.gpu_memory_utilization, 0,
                              "processed_logprobs", "vllm", eager, sleep, 8123)
+        assert ns.kv_cache_memory_bytes == (None if s.cuda else s.cpu_kv_cache_bytes)
         assert ns.worker_extension_cls == "megatron_stare.rollout.vllm_worker_ext.StareWorkerExtension"
     assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
 

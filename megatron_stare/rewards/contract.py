@@ -6,7 +6,10 @@
 
 passing those of the four names it takes (all four if it takes ``**kwargs``); its other
 parameters must have defaults (verl's variants: ``compute_score(solution_str, ground_truth,
-method="strict", format_score=0.0)``, ``..., extra_info=None, **kwargs``). ``data_source`` and
+method="strict", format_score=0.0)``, ``..., extra_info=None, **kwargs``). A first positional
+parameter named otherwise, in a function that takes ``ground_truth`` but not ``solution_str``,
+receives the response (verl's ``compute_score(model_output, ground_truth, timeout_score=0)``,
+``compute_score(predict_str, ground_truth)``). ``data_source`` and
 ``extra_info`` are the row's columns (``None`` when it has none), ``ground_truth`` the answer as
 the row gives it. Any other function is called positionally, as the built-ins are::
 
@@ -58,26 +61,30 @@ class BoundReward:
 
     fn: Callable[..., Any]
     keywords: Optional[Tuple[str, ...]]
+    response_first: bool = False
+    """Keyword style whose first positional parameter takes the response (not ``solution_str``)."""
 
     def __call__(self, response: str, answer: Any, metadata: dict) -> Any:
         if self.keywords is None:
             return self.fn(response, answer if isinstance(answer, str) else str(answer), metadata)
         given = {"data_source": metadata.get("data_source"), "solution_str": response, "ground_truth": answer,
                  "extra_info": metadata.get("extra_info")}
-        return self.fn(**{k: given[k] for k in self.keywords})
+        kwargs = {k: given[k] for k in self.keywords}
+        return self.fn(response, **kwargs) if self.response_first else self.fn(**kwargs)
 
     def warmup(self) -> None:
         if callable(getattr(self.fn, "warmup", None)):
             self.fn.warmup()
 
 
-def _keywords(fn: Callable[..., Any], field: str, spec: str) -> Optional[Tuple[str, ...]]:
-    """The verl keywords to call ``fn`` with, or None for the positional call; raises
-    ``RewardError`` when neither call fits."""
+def _keywords(fn: Callable[..., Any], field: str, spec: str) -> Tuple[Optional[Tuple[str, ...]], bool]:
+    """``(keywords, response_first)``: the verl keywords to call ``fn`` with (None: the positional
+    call) and whether its first parameter takes the response; raises ``RewardError`` when
+    neither call fits."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: the positional call, as before
-        return None
+        return None, False
     params = list(sig.parameters.values())
     named = {p.name for p in params if p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)}
     var_kw = any(p.kind is _P.VAR_KEYWORD for p in params)
@@ -87,24 +94,28 @@ def _keywords(fn: Callable[..., Any], field: str, spec: str) -> Optional[Tuple[s
     neither = (f"{field}: {spec!r}{sig} fits neither reward call: verl's keywords "
                f"({', '.join(VERL_PARAMS)}) nor (response, answer, metadata)")
     if named & set(VERL_PARAMS) or (var_kw and not var_pos and len(positional) < 3):
-        left = [p.name for p in required if p.name not in VERL_PARAMS or p.kind is _P.POSITIONAL_ONLY]
+        first = positional[0] if positional else None
+        response_first = (first is not None and first.name not in VERL_PARAMS and "ground_truth" in named
+                          and "solution_str" not in named)
+        left = [p.name for p in required if (p.name not in VERL_PARAMS or p.kind is _P.POSITIONAL_ONLY)
+                and not (response_first and p is first)]
         if left:
             raise RewardError(f"{neither}; it also requires {', '.join(left)} (give them defaults)")
-        keys = VERL_PARAMS if var_kw else tuple(k for k in VERL_PARAMS if k in named)
-        if "solution_str" not in keys:
+        keys = tuple(k for k in VERL_PARAMS if (var_kw or k in named) and not (response_first and k == "solution_str"))
+        if "solution_str" not in keys and not response_first:
             raise RewardError(f"{neither}; it never receives the response (add a solution_str parameter)")
-        return keys
+        return keys, response_first
     if any(p.kind is _P.KEYWORD_ONLY for p in required):
         left = [p.name for p in required if p.kind is _P.KEYWORD_ONLY]
         raise RewardError(f"{neither}; it requires the keywords {', '.join(left)}")
     if len([p for p in required if p.kind in _POSITIONAL]) > 3 or (len(positional) < 3 and not var_pos):
         raise RewardError(f"{neither}; rename its parameters to verl's or take three positional ones")
-    return None
+    return None, False
 
 
 def bind_reward(fn: Callable[..., Any], field: str = "reward.fn", spec: str = "") -> BoundReward:
     """``fn`` with its call style (see the module docstring); ``field``/``spec`` name it in errors."""
-    return BoundReward(fn, _keywords(fn, field, spec or getattr(fn, "__name__", type(fn).__name__)))
+    return BoundReward(fn, *_keywords(fn, field, spec or getattr(fn, "__name__", type(fn).__name__)))
 
 
 def normalize_return(value: Any) -> Tuple[float, Dict[str, float]]:
@@ -114,13 +125,24 @@ def normalize_return(value: Any) -> Tuple[float, Dict[str, float]]:
     if isinstance(value, Mapping):
         if "score" not in value:
             raise ValueError(f"returned a dict without a 'score' key (keys: {', '.join(map(str, value))})")
-        extras = {str(k): float(v) for k, v in value.items()
-                  if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))}
+        extras = {str(k): float(x) for k, x in ((k, _scalar(v)) for k, v in value.items())
+                  if k != "score" and isinstance(x, numbers.Real) and math.isfinite(float(x))}
         value = value["score"]
+    value = _scalar(value)
     if isinstance(value, numbers.Real) and math.isfinite(float(value)):
         return float(value), extras
     raise ValueError(f"returned {value!r} ({type(value).__name__}), not a finite number, a bool or a dict "
                      f"with a 'score' key")
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar or one-element array / tensor as a Python number; anything else as is."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes, Mapping)):
+        try:
+            return value.item()
+        except (TypeError, ValueError):  # several elements: not a score
+            return value
+    return value
 
 
 class RewardRouter:

@@ -34,3 +34,14 @@ def returns_none(response, answer, metadata):
 class Scorer:
     def __call__(self, solution_str, ground_truth):
         return 2.0
+
+
+def verl_math_verify(model_output, ground_truth, timeout_score=0):
+    """verl's reward_score/math_verify.py shape: the response under another name, first."""
+    return {"score": model_output.endswith(ground_truth), "acc": __import__("numpy").bool_(True)}
+
+
+def numpy_score(solution_str, ground_truth, **kwargs):
+    import numpy as np
+
+    return np.float32(0.5) if sorted(kwargs) == ["data_source", "extra_info"] else np.float64(0.0)

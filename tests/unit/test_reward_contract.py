@@ -10,8 +10,8 @@ from megatron_stare.data import Prompt
 from megatron_stare.generation import GroupSelector, ScoredBatch
 from megatron_stare.rewards import RewardError, RewardPool, bind_reward, check_reward_config, normalize_return
 from megatron_stare.rollout.base import GenerationResult
-from tests.unit._contract_rewards import (Scorer, ground_truth_type, only_kwargs, positional, verl_four, verl_gsm8k,
-                                          verl_kwargs)
+from tests.unit._contract_rewards import (Scorer, ground_truth_type, numpy_score, only_kwargs, positional, verl_four,
+                                          verl_gsm8k, verl_kwargs, verl_math_verify)
 
 ME = "tests.unit._contract_rewards"  # light: the pool's worker processes import it
 META = {"data_source": "my_math", "extra_info": {"index": 3, "split": "train"}, "ability": "math"}
@@ -27,6 +27,11 @@ def test_keyword_calls_get_verls_arguments():
     assert bind_reward(only_kwargs)("a", "b", {}) == 1.0  # **kwargs only: all four, None where absent
     assert bind_reward(Scorer())("a", "b", {}) == 2.0  # a callable instance
     assert bind_reward(ground_truth_type)("a", 42, {})["is_int"]  # the answer as the row gave it
+    # verl's math_verify.compute_score(model_output, ground_truth, timeout_score=0): the response first.
+    assert (bind_reward(verl_math_verify).keywords, bind_reward(verl_math_verify).response_first) == \
+        (("ground_truth",), True)
+    assert normalize_return(bind_reward(verl_math_verify)("so 42", "42", META)) == (1.0, {"acc": 1.0})
+    assert normalize_return(bind_reward(numpy_score)("x", "1", META)) == (0.5, {})  # numpy scalars are numbers
 
 
 def test_positional_call_as_the_builtins():

@@ -107,14 +107,18 @@ def _math(row: Dict[str, Any], index: int, split: str) -> Converted:
 
 
 def _as_verl(row: Dict[str, Any], index: int, split: str, source: str, ability: str) -> Converted:
-    """A row already in verl's format, kept as given (missing fields filled in)."""
+    """A row already in verl's format, kept as given (missing fields filled in). A string prompt
+    becomes one user turn, in DAPO's instruction unless it already asks for "Answer:" (open-r1's
+    processed DAPO copy keeps the bare problem in ``prompt``)."""
     rm = row.get("reward_model")
     truth = rm.get("ground_truth") if isinstance(rm, dict) else None
     if truth is None or (isinstance(truth, str) and not truth.strip()):
         return None, "reward_model.ground_truth is missing or empty"
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
+        prompt = [{"role": "user", "content": prompt if "Answer:" in prompt else DAPO_TEMPLATE.format(problem=prompt)}]
+    elif not isinstance(prompt, list):
+        return None, f"'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}"
     out = dict(row)
     out["prompt"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in prompt]
     out["reward_model"] = {**rm, "style": rm.get("style") or "rule", "ground_truth": str(truth).strip()}

@@ -95,6 +95,11 @@ def test_dapo_verl_format_kept_and_raw_columns_wrapped(tmp_path):
     assert rows[0]["prompt"] == [{"role": "user", "content": DAPO_TEMPLATE.format(problem=DAPO_RAW[0]["prompt"])}]
     assert rows[0]["reward_model"] == {"style": "rule", "ground_truth": "12"}
     assert rows[0]["extra_info"] == {"index": 0, "split": "train"} and rows[0]["data_source"] == "math_dapo"
+    # open-r1's processed copy: the bare problem in `prompt` beside a reward_model column.
+    rows, _ = _prepared(tmp_path, "dapo", [{**DAPO_RAW[0], "reward_model": {"ground_truth": "12", "style": "rule"}}],
+                        "dapo_r1.parquet")
+    assert rows[0]["prompt"][0]["content"] == DAPO_TEMPLATE.format(problem=DAPO_RAW[0]["prompt"])
+    assert rows[0]["reward_model"]["ground_truth"] == "12" and rows[0]["extra_info"] == {"index": "c3"}
 
 
 def test_aime_raw_copies_and_data_source_override(tmp_path):

@@ -222,7 +222,8 @@ def _warn_off_policy_deprecations(cfg: Config) -> None:
     from megatron_stare.algorithms.off_policy import run_off_policy
 
     for note in run_off_policy(cfg)[1]:
-        warnings.warn(note, FutureWarning, stacklevel=3)
+        # No source location: the line the user reads is the note itself, not a call site.
+        warnings.warn_explicit(note, FutureWarning, filename="config", lineno=0)
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,

@@ -178,6 +178,6 @@ def test_forking_tokens_needs_the_entropy():
     (dict(forking_tokens=ForkingTokensConfig(normalizer="kept")), "algorithm.forking_tokens.normalizer must be one of"),
 ])
 def test_bounds_are_checked_with_one_line_naming_the_field(cfg, needle):
-    with pytest.raises(ValueError, match=None) as e:
+    with pytest.raises(ValueError) as e:
         AlgorithmConfig(**cfg).validate()
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

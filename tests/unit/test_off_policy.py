@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron_stare.algorithms.aggregation import sequence_token_counts
 from megatron_stare.algorithms.config import AlgorithmConfig, OffPolicyConfig
 from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, build_policy_loss
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights, resolve_off_policy
@@ -119,8 +120,6 @@ def _split(rank, world):
     fn = build_policy_loss(AlgorithmConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean"))
     plan = fn.plan(MiniBatchInput(old_logp=logp.detach() - lr, advantages=torch.ones(1, dtype=torch.float64),
                                   mask=m, token_keys=keys), dp_group=cp, cp_group=cp)
-    from megatron_stare.algorithms.aggregation import sequence_token_counts
-
     loss = fn(PolicyLossInput(logp=logp, old_logp=logp.detach() - lr, advantages=torch.ones(1, dtype=torch.float64),
                               mask=m, token_keys=keys, cp_group=cp, seq_num_tokens=sequence_token_counts(m, cp)),
               plan).loss

@@ -121,7 +121,6 @@ ALGO_ARGS=(
   algorithm.clip_ratio_c=10.0
   algorithm.entropy_coeff=0.0
   algorithm.kl_loss_coef=0.0
-  algorithm.tis_cap=2.0
   algorithm.stare.variant=O1
   algorithm.stare.top_p=0.1
   algorithm.stare.w=1.05
@@ -139,8 +138,10 @@ ALGO_ARGS=(
 # DAPO dynamic sampling is off: a step's extra generation batches cannot be drawn ahead.
 ASYNC_ARGS=(
   trainer.staleness=1
-  trainer.ratio_mask_low=0.5
-  trainer.ratio_mask_high=2.0
+  algorithm.off_policy_correction=tis+band_mask
+  algorithm.off_policy.tis_cap=2.0
+  algorithm.off_policy.band_low=0.5
+  algorithm.off_policy.band_high=2.0
 )
 OPTIMIZER_ARGS=(
   optimizer.lr=1e-6

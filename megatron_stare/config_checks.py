@@ -228,6 +228,17 @@ def _check_staleness(cfg: Config) -> None:
                                      f"trainer.dynamic_sampling=false or trainer.staleness=0")
 
 
+def _warn_off_policy_deprecations(cfg: Config) -> None:
+    """One line per old off-policy field the run still sets (they keep working)."""
+    import warnings
+
+    from megatron_stare.algorithms.off_policy import run_off_policy
+
+    for note in run_off_policy(cfg)[1]:
+        # No source location: the line the user reads is the note itself, not a call site.
+        warnings.warn_explicit(note, FutureWarning, filename="config", lineno=0)
+
+
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
                  check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
     """Check values and cross-field consistency; raise one ``ConfigError`` line per problem.
@@ -244,6 +255,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
     check_fields(cfg)
     cfg.algorithm.validate("algorithm")
     _check_names(cfg)
+    _warn_off_policy_deprecations(cfg)
     if cuda is None:
         cuda = torch.cuda.is_available()
     spec = _model_spec(cfg, hf_config)

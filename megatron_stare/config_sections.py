@@ -266,11 +266,12 @@ class TrainerConfig:
     under the version it was launched at."""
     partial_segments_per_version: int = num(1, ge=1)
     """Segments a batch in flight generates under each policy version, >= 1."""
-    ratio_mask_low: float = num(0.5, gt=0, le=1)
-    """Lower edge of the off-policy ratio band, in (0, 1]: with staleness > 0, a token whose
-    ratio exp(old_logp - engine_logp) lies below it is left out of the loss."""
-    ratio_mask_high: float = num(2.0, ge=1, inf_ok=True)
-    """Upper edge of the off-policy ratio band, >= 1 (inf disables); tokens above it are masked."""
+    ratio_mask_low: Optional[float] = num(None, gt=0, le=1)
+    """Deprecated (``algorithm.off_policy.band_low``): lower edge of the off-policy ratio band,
+    in (0, 1]; null = algorithm.off_policy.band_low."""
+    ratio_mask_high: Optional[float] = num(None, ge=1, inf_ok=True)
+    """Deprecated (``algorithm.off_policy.band_high``): upper edge of the band, >= 1 (inf
+    disables); null = algorithm.off_policy.band_high."""
 
 
 @dataclass

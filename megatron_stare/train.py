@@ -59,6 +59,7 @@ class Trainer:
     def __init__(self, cfg: Config, preemption: Optional[Preemption] = None, console: Optional[Console] = None):
         from megatron_stare.actor import ActorSettings, MegatronActor
         from megatron_stare.algorithms.gepo import GepoShaper
+        from megatron_stare.algorithms.off_policy import run_off_policy
         from megatron_stare.algorithms.stare import StareController
         from megatron_stare.metrics import MetricsLogger, Timer
         from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
@@ -86,9 +87,7 @@ class Trainer:
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
-                                 * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap,
-                                 ratio_band=((cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high)
-                                             if cfg.trainer.staleness > 0 else None))
+                                 * cfg.trainer.ppo_epochs, off_policy=run_off_policy(cfg)[0])
         ref_dir = m.ref_path or hf_dir
         load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)

@@ -27,7 +27,8 @@ The parts, one job each:
 - ``loss_plans``: one ``LossPlan`` per mini-batch (global denominators and selections);
 - ``update``: the per-micro-batch loss function object and the optimizer step per mini-batch;
 - ``diagnostics``: entropy dynamics and STARE-selected keys, read from the loss plans;
-- ``tis`` / ``mismatch``: the rollout engine's log-probs against the trainer's.
+- ``mismatch``: the rollout engine's log-probs against the trainer's (the off-policy correction
+  itself is ``algorithms/off_policy.py``).
 """
 
 from megatron_stare.actor.core import MegatronActor

@@ -11,6 +11,7 @@ from megatron_stare.actor.batches import prepare_batches
 from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
 from megatron_stare.actor.logprob_pass import fill_old_logprobs
 from megatron_stare.actor.loss_plans import plan_step
+from megatron_stare.actor.mismatch import masked_fraction
 from megatron_stare.actor.optim import build_optimizer
 from megatron_stare.actor.schedule import share_from_last_stage
 from megatron_stare.actor.token_stats import TokenStatsKernel
@@ -18,6 +19,7 @@ from megatron_stare.actor.types import ActorSettings, StepStats, UpdateResult, W
 from megatron_stare.actor.update import LossContext, train_mini_batch
 from megatron_stare.algorithms.aggregation import MetricSums
 from megatron_stare.algorithms.losses import LossPlan, build_policy_loss
+from megatron_stare.algorithms.off_policy import resolve_off_policy
 from megatron_stare.algorithms.stare import StareState
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import build_model_stage
@@ -40,6 +42,7 @@ class MegatronActor:
                                                recompute=settings.parallel.recompute)
         load_weights(stage, groups)
         self.loss_fn = build_policy_loss(settings.algorithm)
+        self.off_policy = settings.off_policy or resolve_off_policy(settings.algorithm)[0]
         self.kernel = TokenStatsKernel(tp_group=groups.tp_group, valid_vocab_size=spec.vocab_size,
                                        temperature=settings.temperature, chunk_size=settings.logprob_chunk)
         self.ref = None
@@ -75,12 +78,11 @@ class MegatronActor:
         """Forward-only pass: fills ``old_logp``, ``entropy`` (and sensitivity sums, ``ref_logp``)
         of every micro-batch on every rank; returns the global entropy and mismatch."""
         stats = fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity)
-        if self.s.ratio_band is not None:
-            from megatron_stare.actor.mismatch import band_masked_fraction
-
-            flat = [mb for mini in batches for mb in mini]
-            stats.ratio_masked_frac = band_masked_fraction(flat, self.s.ratio_band, self.groups.dp_cp_group,
-                                                           self.groups.device)
+        if self.off_policy.masks:
+            g = self.groups
+            stats.ratio_masked_frac = masked_fraction([mb for mini in batches for mb in mini], self.off_policy,
+                                                      g.dp_cp_group, g.cp_group if g.layout.cp > 1 else None,
+                                                      g.device)
         return stats
 
     def loss_plans(self, batches: List[List[MicroBatch]], step: int,
@@ -105,8 +107,7 @@ class MegatronActor:
         if plans is None:
             plans = self.loss_plans(batches, step, stare_state)
         ctx = LossContext(loss_fn=self.loss_fn, kernel=self.kernel,
-                          entropy_grad=self.s.algorithm.entropy_coeff > 0, tis_cap=self.s.tis_cap,
-                          ratio_band=self.s.ratio_band,
+                          entropy_grad=self.s.algorithm.entropy_coeff > 0, off_policy=self.off_policy,
                           cp_group=g.cp_group if lay.cp > 1 else None, stare=self.s.algorithm.stare,
                           collect_selection=collect_selection)
         result = UpdateResult(loss=[], grad_norm=[])

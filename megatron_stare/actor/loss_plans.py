@@ -23,7 +23,9 @@ def mini_batch_input(micro_batches: Sequence[MicroBatch]) -> MiniBatchInput:
         old_logp=cat_padded([mb.old_logp for mb in micro_batches]),
         advantages=torch.cat([mb.advantages for mb in micro_batches]),
         mask=cat_padded([mb.loss_mask for mb in micro_batches], False),
-        token_keys=cat_padded([mb.token_keys for mb in micro_batches]))
+        token_keys=cat_padded([mb.token_keys for mb in micro_batches]),
+        entropy=(cat_padded([mb.entropy for mb in micro_batches])
+                 if all(mb.entropy is not None for mb in micro_batches) else None))
 
 
 def plan_mini_batch(loss_fn: PolicyLoss, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,

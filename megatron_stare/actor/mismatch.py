@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_stare.actor.tis import ratio_band_mask
+from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
 from megatron_stare.types import MicroBatch
 
 
@@ -25,16 +25,18 @@ def engine_mismatch(micro_batches: Sequence[MicroBatch], group: Optional[dist.Pr
     return float(agg[0] / agg[1].clamp(min=1)), float(mx)
 
 
-def band_masked_fraction(micro_batches: Sequence[MicroBatch], band: Tuple[float, float],
-                         group: Optional[dist.ProcessGroup], device) -> Optional[float]:
-    """Fraction of the response tokens of every rank of ``group`` whose ratio
-    ``exp(old_logp - engine_logp)`` lies outside ``band`` (the tokens the off-policy mask leaves
-    out of the loss, ``actor/tis.py``); None unless every micro-batch has engine log-probs."""
+def masked_fraction(micro_batches: Sequence[MicroBatch], correction: OffPolicyCorrection,
+                    group: Optional[dist.ProcessGroup], cp_group: Optional[dist.ProcessGroup],
+                    device) -> Optional[float]:
+    """Fraction of the response tokens of every rank of ``group`` (data x context parallel) that
+    ``correction`` masks (``algorithms/off_policy.py``; ``cp_group`` for its per-sequence rules);
+    None unless every micro-batch has engine log-probs."""
     if not all(mb.engine_logp is not None for mb in micro_batches):
         return None
-    out = sum(float((~ratio_band_mask(mb.old_logp, mb.engine_logp, band))[mb.loss_mask].sum())
-              for mb in micro_batches)
-    agg = torch.tensor([out, float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))],
-                       dtype=torch.float64, device=device)
-    dist.all_reduce(agg, group=group)
-    return float(agg[0] / agg[1].clamp(min=1))
+    out = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        w = off_policy_weights(mb.old_logp, mb.engine_logp, mb.loss_mask, correction, cp_group)
+        valid = mb.loss_mask.bool()
+        out += torch.stack([(w.masked & valid).sum(dtype=torch.float64), valid.sum(dtype=torch.float64)]).to(device)
+    dist.all_reduce(out, group=group)
+    return float(out[0] / out[1].clamp(min=1))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.algorithms.off_policy import OffPolicyCorrection
 from megatron_stare.config import OptimizerConfig, ParallelConfig
 from megatron_stare.parallel import ParallelGroups
 
@@ -28,10 +29,9 @@ class ActorSettings:
     """Length of the LR schedule (decay steps)."""
     max_rows_per_micro_batch: Optional[int] = None
     logprob_chunk: int = 1024
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
-    ratio_band: Optional[Tuple[float, float]] = None
-    """Off-policy ratio band (asynchronous training): tokens outside it leave the loss."""
+    off_policy: Optional[OffPolicyCorrection] = None
+    """The off-policy correction on the engine's log-probs (``off_policy.resolve_off_policy`` of
+    the run's config); None: ``algorithm``'s own (``algorithm.off_policy_correction``)."""
 
 
 @dataclass
@@ -45,7 +45,7 @@ class StepStats:
     """Mean |logp_engine - logp_train| over response tokens (when engine log-probs came)."""
     mismatch_max: Optional[float] = None
     ratio_masked_frac: Optional[float] = None
-    """Fraction of response tokens outside the off-policy ratio band (asynchronous training)."""
+    """Fraction of response tokens the off-policy correction masks (a mask rule on)."""
 
 
 @dataclass

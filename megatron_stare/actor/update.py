@@ -9,7 +9,7 @@ the schedule over a mini-batch's micro-batches and takes one guarded optimizer s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,11 +18,11 @@ from torch import Tensor
 from megatron_stare.actor.diagnostics import selected_token_keys
 from megatron_stare.actor.optim import guarded_step
 from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedule
-from megatron_stare.actor.tis import tis_weight
 from megatron_stare.actor.token_stats import TokenStatsKernel
 from megatron_stare.algorithms.aggregation import MetricSums, backward_scale, sequence_token_counts
 from megatron_stare.algorithms.config import StareConfig
 from megatron_stare.algorithms.losses import LossPlan, PolicyLoss, PolicyLossInput
+from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
@@ -35,15 +35,13 @@ class LossContext:
     kernel: TokenStatsKernel
     entropy_grad: bool
     """The entropy carries a gradient (entropy bonus on)."""
-    tis_cap: Optional[float]
+    off_policy: OffPolicyCorrection
+    """The off-policy correction on the engine's log-probs (``algorithms/off_policy.py``)."""
     cp_group: Optional[dist.ProcessGroup]
     """Context-parallel group, None without CP (then sequences are whole on this rank)."""
     stare: StareConfig
     collect_selection: bool = False
     """Also record the STARE-selected token keys (tests, debugging)."""
-    ratio_band: Optional[Tuple[float, float]] = None
-    """Off-policy band: tokens whose ratio to the behaviour policy lies outside it are left out
-    of the loss (asynchronous training only; ``actor/tis.py``)."""
 
 
 @dataclass
@@ -63,21 +61,30 @@ class MicroBatchLoss:
         self.mb, self.plan, self.ctx, self.scale = mb, plan, ctx, scale
         self.result: Optional[MicroBatchLossResult] = None
 
-    def policy_loss_input(self, logits: Tensor) -> PolicyLossInput:
+    def policy_loss_input(self, logits: Tensor, metrics: MetricSums) -> PolicyLossInput:
+        """The loss's input; adds the off-policy correction's metrics to ``metrics``."""
         mb, ctx = self.mb, self.ctx
         o = ctx.kernel(logits, mb, entropy_grad=ctx.entropy_grad, sensitivity=False)
         shape = mb.loss_mask.shape
         # Under CP a sequence's tokens are spread over the CP ranks: the per-sequence counts of
         # the seq-mean modes must be global.
         seq_tokens = sequence_token_counts(mb.loss_mask, ctx.cp_group) if ctx.cp_group is not None else None
+        corr = off_policy_weights(mb.old_logp, mb.engine_logp, mb.loss_mask, ctx.off_policy, ctx.cp_group)
+        if corr is not None:
+            valid = mb.loss_mask.bool()
+            metrics.add("off_policy/masked_frac", (corr.masked & valid).sum(), valid.sum())
+            metrics.add("off_policy/weight_mean", corr.weight.double()[valid].sum(), valid.sum())
         return PolicyLossInput(
             logp=o.logprobs.reshape(shape), old_logp=mb.old_logp, advantages=mb.advantages,
             mask=mb.loss_mask, token_keys=mb.token_keys,
             entropy=o.entropy.reshape(shape) if o.entropy is not None else None,
-            ref_logp=mb.ref_logp, tis_weight=tis_weight(mb, ctx.tis_cap, ctx.ratio_band), seq_num_tokens=seq_tokens)
+            ref_logp=mb.ref_logp, tis_weight=None if corr is None else corr.weight, seq_num_tokens=seq_tokens,
+            old_entropy=mb.entropy, cp_group=ctx.cp_group)
 
     def __call__(self, logits: Tensor):
-        out = self.ctx.loss_fn(self.policy_loss_input(logits), self.plan)
+        extra = MetricSums()
+        out = self.ctx.loss_fn(self.policy_loss_input(logits, extra), self.plan)
+        out.metrics.merge(extra)
         selected = None
         if self.ctx.collect_selection and self.plan.stare is not None:
             selected = selected_token_keys(self.mb, self.plan, self.ctx.stare)

@@ -131,6 +131,97 @@ class GepoConfig:
 
 
 @dataclass
+class GspoConfig:
+    """GSPO (Zheng et al.): one importance ratio per response, its geometric mean, clipped per response."""
+
+    clip_ratio_low: float = num(3e-4, ge=0, lt=1, why="s is clipped below at 1 - eps_low, which must stay > 0")
+    """eps_low, in [0, 1): the sequence ratio s is clipped below at 1 - eps_low (paper: 3e-4)."""
+    clip_ratio_high: float = num(4e-4, ge=0)
+    """eps_high, >= 0: s is clipped above at 1 + eps_high (paper: 4e-4; s is a geometric mean, so tiny)."""
+
+    def validate(self, prefix: str = "algorithm.gspo") -> None:
+        check_fields(self, prefix)
+
+
+@dataclass
+class CispoConfig:
+    """CISPO (MiniMax-M1): every token keeps its gradient, its IS weight is clipped and detached."""
+
+    clip_ratio_high: float = num(0.28, ge=0)
+    """eps_high, >= 0: the detached weight is min(r, 1 + eps_high)."""
+    clip_ratio_low: Optional[float] = num(None, ge=0, lt=1, why="the weight is clipped below at 1 - eps_low, "
+                                                                "which must stay > 0")
+    """Optional eps_low, in [0, 1): also clip the weight below at 1 - eps_low; null = no lower clip (the paper)."""
+
+    def validate(self, prefix: str = "algorithm.cispo") -> None:
+        check_fields(self, prefix)
+
+
+FORKING_NORMALIZERS = ("all", "selected")
+
+
+@dataclass
+class ForkingTokensConfig:
+    """Training on the high-entropy minority ("forking") tokens only (Wang et al., the 80/20 rule)."""
+
+    rho: float = num(0.2, gt=0, le=1, why="the kept fraction of the batch's tokens; 0 keeps none")
+    """rho, in (0, 1]: keep the k = min(N, max(1, ceil(rho*N))) highest-entropy tokens of the whole
+    mini-batch (exact global quantile, ties: smaller token key); rho = 1 is the base loss."""
+    normalizer: str = "all"
+    """'all' (default): the kept tokens' losses are divided by the mini-batch's valid-token count, as
+    in the base loss, so a kept token's gradient is the one it has in the base loss (the paper's form;
+    the learning rate transfers); 'selected': divided by the kept count instead (the policy-gradient
+    term scaled by N/k, a token mean over the kept tokens)."""
+
+    def validate(self, prefix: str = "algorithm.forking_tokens") -> None:
+        check_fields(self, prefix)
+        _require(self.normalizer in FORKING_NORMALIZERS,
+                 f"{prefix}.normalizer must be one of {FORKING_NORMALIZERS}, got {self.normalizer!r}")
+
+
+#: Off-policy rules on the train/behaviour ratio k = exp(old_logp - engine_logp): weights, masks.
+OFF_POLICY_WEIGHTS = ("tis", "mis_token", "mis_sequence")
+OFF_POLICY_MASKS = ("band_mask", "geo_mask")
+
+
+def parse_off_policy(value: Optional[str], prefix: str = "algorithm.off_policy_correction") -> tuple:
+    """The rules of ``value``: () for 'none'/null, else one or two names joined by '+' (at most one
+    weight and one mask, e.g. 'tis+band_mask'); ``ConfigError`` naming the field otherwise."""
+    if value is None or value == "none":
+        return ()
+    rules = tuple(value.split("+"))
+    known = OFF_POLICY_WEIGHTS + OFF_POLICY_MASKS
+    bad = [r for r in rules if r not in known]
+    _require(not bad, f"{prefix} must be 'none' or one of {known} (a weight and a mask may be joined by "
+                      f"'+', e.g. 'tis+band_mask'), got {value!r}")
+    _require(sum(r in OFF_POLICY_WEIGHTS for r in rules) <= 1 and sum(r in OFF_POLICY_MASKS for r in rules) <= 1,
+             f"{prefix}={value!r} joins two weights or two masks; use at most one of {OFF_POLICY_WEIGHTS} "
+             f"and one of {OFF_POLICY_MASKS}")
+    return rules
+
+
+@dataclass
+class OffPolicyConfig:
+    """Bounds of the off-policy corrections (``algorithm.off_policy_correction``; algorithms/off_policy.py)."""
+
+    tis_cap: float = num(2.0, ge=1, why="a cap below 1 would down-weight on-policy tokens too")
+    """C of 'tis', >= 1: each token's loss is weighted by min(k, C)."""
+    mis_cap: float = num(2.0, ge=1, why="a cap below 1 would mask on-policy tokens too")
+    """C of 'mis_token' / 'mis_sequence', >= 1: weight k (token) or the response's product of k
+    (sequence) where it is <= C, 0 above."""
+    band_low: float = num(0.5, gt=0, le=1)
+    """a of 'band_mask', in (0, 1]: tokens with k < a are masked."""
+    band_high: float = num(2.0, ge=1, inf_ok=True)
+    """b of 'band_mask', >= 1 (inf disables): tokens with k > b are masked."""
+    geo_cap: float = num(1.001, ge=1, why="the kept band [1/C, C] must hold k = 1")
+    """C of 'geo_mask', >= 1: responses whose geometric-mean ratio exp(mean_t log k) leaves [1/C, C]
+    are masked (verl's geometric rejection uses bounds this close to 1)."""
+
+    def validate(self, prefix: str = "algorithm.off_policy") -> None:
+        check_fields(self, prefix)
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimator, policy loss, aggregation, regularisers."""
 
@@ -140,7 +231,7 @@ class AlgorithmConfig:
     """GRPO only: divide by the group std (+1e-6); False gives Dr.GRPO's advantage."""
     policy_loss: str = "vanilla"
     """Policy-loss registry name: 'vanilla' (dual-clip surrogate: GRPO/DAPO/PPO), 'stare',
-    'clip_cov', 'kl_cov'."""
+    'clip_cov', 'kl_cov', 'gspo', 'cispo', 'forking_tokens'."""
     loss_agg_mode: str = "token-mean"
     """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm';
     denominators are global over the optimizer mini-batch (all micro-batches and ranks)."""
@@ -161,12 +252,22 @@ class AlgorithmConfig:
     """KL estimator: 'k1'/'kl', 'k2'/'mse', 'k3'/'low_var_kl', 'abs'; suffix '+' = value of that
     estimator with the gradient of k2 (straight-through)."""
     tis_cap: Optional[float] = num(None, ge=1, why="a cap below 1 would down-weight on-policy tokens too")
-    """Truncated importance sampling against the rollout engine, >= 1: each token's loss is weighted
-    by min(pi_old / pi_engine, tis_cap) (needs engine log-probs); null disables."""
+    """Deprecated: ``off_policy_correction: tis`` with ``off_policy.tis_cap``. Truncated importance
+    sampling against the rollout engine, >= 1: each token's loss is weighted by
+    min(pi_old / pi_engine, tis_cap) (needs engine log-probs); null disables."""
+    off_policy_correction: Optional[str] = None
+    """Correction for the train/behaviour mismatch k = exp(old_logp - engine_logp) (needs engine
+    log-probs): 'none', 'tis', 'mis_token', 'mis_sequence', 'band_mask', 'geo_mask', or a weight and
+    a mask joined by '+' ('tis+band_mask'); bounds in ``off_policy``. null = 'band_mask' with
+    trainer.staleness > 0 (the asynchronous default), 'none' otherwise."""
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     stare: StareConfig = field(default_factory=StareConfig)
     clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
     kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
     gepo: GepoConfig = field(default_factory=GepoConfig)
+    gspo: GspoConfig = field(default_factory=GspoConfig)
+    cispo: CispoConfig = field(default_factory=CispoConfig)
+    forking_tokens: ForkingTokensConfig = field(default_factory=ForkingTokensConfig)
 
     def validate(self, prefix: str = "algorithm") -> None:
         """Ranges of every field (sections included) and their consistency; not the registered
@@ -180,3 +281,11 @@ class AlgorithmConfig:
         self.clip_cov.validate(f"{prefix}.clip_cov")
         self.kl_cov.validate(f"{prefix}.kl_cov")
         self.gepo.validate(f"{prefix}.gepo")
+        self.gspo.validate(f"{prefix}.gspo")
+        self.cispo.validate(f"{prefix}.cispo")
+        self.forking_tokens.validate(f"{prefix}.forking_tokens")
+        self.off_policy.validate(f"{prefix}.off_policy")
+        parse_off_policy(self.off_policy_correction, f"{prefix}.off_policy_correction")
+        _require(self.tis_cap is None or self.off_policy_correction is None,
+                 f"{prefix}.tis_cap (deprecated) and {prefix}.off_policy_correction are both set; "
+                 f"use off_policy_correction=tis with {prefix}.off_policy.tis_cap={self.tis_cap}")

@@ -12,7 +12,9 @@ micro-batches and data(×context)-parallel ranks it equals the loss of the whole
 summed gradients are layout-independent. If the gradient reducer averages instead of summing,
 multiply by ``aggregation.backward_scale`` (Megatron defaults: dp_size * num_microbatches).
 
-Registered names: ``vanilla`` (dual-clip surrogate = GRPO/DAPO/PPO), ``stare``, ``clip_cov``, ``kl_cov``.
+Registered names: ``vanilla`` (dual-clip surrogate = GRPO/DAPO/PPO), ``stare``, ``clip_cov``, ``kl_cov``,
+``gspo`` (sequence-level ratio), ``cispo`` (clipped detached IS weight on every token),
+``forking_tokens`` (the surrogate on the top-rho entropy tokens of the mini-batch).
 Total loss = agg(policy token loss) - entropy_coeff * agg(H) + kl_loss_coef * agg(KL(pi || pi_ref)).
 """
 
@@ -30,8 +32,11 @@ from megatron_stare.algorithms.aggregation import (AGG_MODES, LossDenominators, 
                                                    compute_loss_denominators)
 from megatron_stare.algorithms.config import AlgorithmConfig
 from megatron_stare.algorithms.kl import kl_penalty, resolve_kl_type
+from megatron_stare.algorithms.off_policy import sequence_sums
 from megatron_stare.config_fields import ConfigError
-from megatron_stare.algorithms.stare import StareSelection, StareState, broadcast_advantages, stare_global_selection, stare_weights
+from megatron_stare.algorithms.stare import (StareSelection, StareState, broadcast_advantages, stare_global_selection,
+                                             stare_k, stare_weights)
+from megatron_stare.ops.selection import TopKThreshold, topk_threshold
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -61,8 +66,14 @@ class PolicyLossInput:
     seq_num_tokens: Optional[Tensor] = None
     """``[B]`` full-sequence valid counts (``aggregation.sequence_token_counts``), only under CP."""
     tis_weight: Optional[Tensor] = None
-    """Truncated importance-sampling weights ``min(pi_old / pi_engine, C)`` (no grad) that correct
-    the train/inference mismatch; multiply each token's policy loss."""
+    """Off-policy correction weights (no grad; ``algorithms/off_policy.py``: TIS ``min(pi_old /
+    pi_engine, C)``, MIS, masks) that correct the train/inference mismatch; multiply each token's
+    policy loss."""
+    old_entropy: Optional[Tensor] = None
+    """Old-log-prob-pass entropy (no grad); ``forking_tokens`` selects by it."""
+    cp_group: Optional[dist.ProcessGroup] = None
+    """Context-parallel group when rows are split over its ranks (None: rows are whole here);
+    ``gspo`` all-reduces its per-sequence sums over it."""
 
 
 @dataclass
@@ -73,6 +84,8 @@ class MiniBatchInput:
     advantages: Tensor
     mask: Tensor
     token_keys: Tensor
+    entropy: Optional[Tensor] = None
+    """Old-log-prob-pass entropy ``[N, T]`` (``forking_tokens``' selection)."""
 
 
 @dataclass
@@ -84,6 +97,10 @@ class LossPlan:
     stare_state: Optional[StareState] = None
     stare: Optional[StareSelection] = None
     cov: Optional[cov_ops.CovSelection] = None
+    forking: Optional[TopKThreshold] = None
+    """The global top-rho entropy threshold (``forking_tokens``)."""
+    forking_scale: float = 1.0
+    """Factor on the kept tokens' losses: N/k with normalizer 'selected', else 1."""
 
 
 @dataclass
@@ -303,3 +320,88 @@ class KLCovLoss(PolicyLoss):
         metrics.add("kl_cov/frac", sel.sum(), n)
         metrics.add("ppo_kl", _msum(-log_ratio.detach(), valid), n)
         return torch.where(sel, base + c.coef * log_ratio.abs(), base)
+
+
+@register_policy_loss("gspo")
+class GspoLoss(PolicyLoss):
+    """GSPO: ``s = exp(mean_t log(pi/pi_old))`` per response, ``max(-A*s, -A*clip(s, 1-eps_lo, 1+eps_hi))``.
+
+    Written per token (verl's form): every token of a response carries the value ``s`` and the
+    gradient ``s * dlogp_t``, so ``seq-mean-token-mean`` (the paper's mean over responses) gives
+    exactly GSPO's loss and gradient ``ds = s * mean_t dlogp_t``; other aggregation modes weight
+    the responses as they weight tokens (``token-mean``: by length). The clip is decided by ``s``,
+    the same for all a response's tokens. The mean over a response spans its CP chunks
+    (``inp.cp_group``). No dual clip (the paper has none).
+    """
+
+    def token_loss(self, inp, plan, metrics):
+        c = self.cfg.gspo
+        a = broadcast_advantages(inp.advantages, inp.logp)
+        log_ratio = torch.clamp(inp.logp - inp.old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        total, count = sequence_sums(log_ratio, inp.mask, inp.cp_group)
+        log_s = (total / count.clamp(min=1)).to(inp.logp.dtype).unsqueeze(-1)
+        s = torch.exp(log_s + log_ratio - log_ratio.detach())  # value s, gradient s * dlogp_t
+        l1 = -a * s
+        l2 = -a * torch.clamp(s, 1.0 - c.clip_ratio_low, 1.0 + c.clip_ratio_high)
+        valid = inp.mask.bool()
+        n = valid.sum()
+        metrics.add("pg_clipfrac", ((l2 > l1) & valid).sum(), n)
+        metrics.add("ppo_kl", _msum(-log_ratio.detach(), valid), n)
+        metrics.add("gspo/seq_log_ratio", _msum(log_s.detach().expand_as(log_ratio), valid), n)
+        return torch.maximum(l1, l2)
+
+
+@register_policy_loss("cispo")
+class CispoLoss(PolicyLoss):
+    """CISPO: ``-sg(min(r, 1+eps_hi)) * A * logp`` on every token (optional lower clip); no token
+    loses its gradient, the weight carries none."""
+
+    def token_loss(self, inp, plan, metrics):
+        c = self.cfg.cispo
+        a = broadcast_advantages(inp.advantages, inp.logp)
+        log_ratio = torch.clamp(inp.logp - inp.old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()
+        r = torch.exp(log_ratio)
+        low = None if c.clip_ratio_low is None else 1.0 - c.clip_ratio_low
+        w = torch.clamp(r, min=low, max=1.0 + c.clip_ratio_high)
+        valid = inp.mask.bool()
+        n = valid.sum()
+        metrics.add("pg_clipfrac", ((w != r) & valid).sum(), n)
+        metrics.add("ppo_kl", _msum(-log_ratio, valid), n)
+        return -w * a * inp.logp
+
+
+@register_policy_loss("forking_tokens")
+class ForkingTokensLoss(PolicyLoss):
+    """The dual-clip surrogate (DAPO's clip-higher with the default eps 0.2/0.28) on the top-rho
+    fraction of the mini-batch's valid tokens by old-log-prob-pass entropy, zero elsewhere.
+
+    Selection: exact global top-k over the data(x context)-parallel group, k = min(N, max(1,
+    ceil(rho*N))), ties at the threshold to the smaller token key (``ops/selection.py``): the same
+    set for every layout. Normaliser: the aggregation's (all valid tokens) by default, or the
+    kept count (``normalizer: selected``, a factor N/k on the kept tokens). rho = 1 gives the base
+    loss bitwise.
+    """
+
+    def _plan(self, plan, mb, dp_group):
+        f = self.cfg.forking_tokens
+        if mb.entropy is None:
+            raise ValueError("algorithm.policy_loss 'forking_tokens' needs the old-log-prob pass's entropy "
+                             "(MiniBatchInput.entropy)")
+        valid = mb.mask.bool()
+        thr = topk_threshold(mb.entropy.detach()[valid], mb.token_keys[valid], lambda n: stare_k(n, f.rho),
+                             group=dp_group)
+        plan.forking = thr
+        if f.normalizer == "selected" and 0 < thr.k < thr.n:
+            plan.forking_scale = thr.n / thr.k
+
+    def token_loss(self, inp, plan, metrics):
+        if inp.old_entropy is None or plan.forking is None:
+            raise ValueError("algorithm.policy_loss 'forking_tokens' needs PolicyLossInput.old_entropy and "
+                             "a plan from ForkingTokensLoss.plan")
+        sur = self.surrogate(inp, metrics)
+        valid = inp.mask.bool()
+        kept = plan.forking.select(inp.old_entropy.detach().reshape(-1), inp.token_keys.reshape(-1))
+        kept = kept.reshape(valid.shape) & valid
+        metrics.add("forking/kept_frac", kept.sum(), valid.sum())
+        loss = torch.where(kept, sur.loss, torch.zeros_like(sur.loss))
+        return loss * plan.forking_scale if plan.forking_scale != 1.0 else loss

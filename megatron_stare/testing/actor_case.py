@@ -113,9 +113,12 @@ def gather_full_grads(actor) -> Optional[Dict[str, torch.Tensor]]:
             p.data = data
 
 
-def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False, **knobs) -> dict:
+def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False,
+                      engine_logp: bool = False, **knobs) -> dict:
     """One log-prob pass, controller update and STARE update at ``groups`` (see the module
-    docstring); ``knobs`` go to ``build_case_actor``."""
+    docstring); ``knobs`` go to ``build_case_actor``. ``engine_logp``: give every token a
+    behaviour log-prob ``old_logp - 0.8*sin(1.7*key)`` (ratios in [0.45, 2.2], a function of the
+    token's key) for the off-policy corrections."""
     actor, algo = build_case_actor(groups, **knobs)
     samples = synthetic_samples()
     if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
@@ -127,6 +130,8 @@ def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool =
     # A second, perturbed "old" policy makes rho != 1 so the clip branches are exercised.
     for mini in batches:
         for mb in mini:
+            if engine_logp:
+                mb.engine_logp = mb.old_logp - 0.8 * torch.sin(1.7 * mb.token_keys.double()).float()
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,

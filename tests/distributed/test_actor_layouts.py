@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from megatron_stare.algorithms.config import ClipCovConfig, KLCovConfig
+from megatron_stare.algorithms.config import (CispoConfig, ClipCovConfig, ForkingTokensConfig, GspoConfig, KLCovConfig,
+                                              OffPolicyConfig)
 from megatron_stare.testing.actor_case import run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.megatron_tiny import CLUSTER_LAYOUT_IDS, seeded_canonical
@@ -38,6 +39,27 @@ LOSSES = {
                  "algorithm": {"clip_cov": ClipCovConfig(ratio=0.2, lb=-math.inf, ub=math.inf)}},
     "kl_cov": {"policy_loss": "kl_cov", "algorithm": {"kl_cov": KLCovConfig(ratio=0.1)}},
 }
+#: The baselines and off-policy corrections of issue 31. GSPO (per-sequence ratio, wider eps so
+#: some responses clip and some do not), sequence MIS and the geometric mask reduce per-sequence
+#: sums over the CP ranks; forking tokens is a global entropy quantile. The corrections read
+#: behaviour log-probs that differ from the trainer's (``engine_logp``), with bounds that mask
+#: some tokens and keep others.
+OFF = OffPolicyConfig(tis_cap=1.5, mis_cap=1.8, geo_cap=1.15)
+NEW = {
+    "gspo": {"policy_loss": "gspo", "algorithm": {"loss_agg_mode": "seq-mean-token-mean",
+                                                  "gspo": GspoConfig(clip_ratio_low=0.01, clip_ratio_high=0.01)}},
+    "cispo": {"policy_loss": "cispo", "algorithm": {"cispo": CispoConfig(clip_ratio_high=0.02, clip_ratio_low=0.02)}},
+    "forking": {"policy_loss": "forking_tokens", "algorithm": {"forking_tokens": ForkingTokensConfig(rho=0.3)}},
+    "forking_sel": {"policy_loss": "forking_tokens",
+                    "algorithm": {"forking_tokens": ForkingTokensConfig(rho=0.3, normalizer="selected")}},
+    **{name: {"policy_loss": "vanilla", "engine_logp": True,
+              "algorithm": {"off_policy_correction": rule, "off_policy": OFF}}
+       for name, rule in (("tis_band", "tis+band_mask"), ("mis_token", "mis_token"),
+                          ("mis_seq", "mis_sequence"), ("geo", "geo_mask"))},
+}
+#: The per-sequence and selection ones, also at 1, 2 and 4 rows per micro-batch.
+PER_SEQUENCE = ("gspo", "mis_seq", "geo", "forking")
+LOSSES.update(NEW)
 
 
 def both(name: str, **knobs) -> dict:
@@ -51,11 +73,13 @@ RUNS = {
                          **both("rows4", max_rows=4), **both("two_mini", mini_batches=2, max_rows=3),
                          "stare_gate_off": {"policy_loss": "stare", "target_entropy": 0.0},
                          "grpo": {"policy_loss": "vanilla", "target_entropy": 0.0},
-                         "lr4": {"lr": 1e-4}, **LOSSES}),
-    "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP)}),
-    "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}}),
+                         "lr4": {"lr": 1e-4}, **LOSSES,
+                         **{f"{n}/rows{r}": dict(NEW[n], max_rows=r) for n in PER_SEQUENCE for r in (1, 2, 4)}}),
+    "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP), **NEW}),
+    "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}, **NEW}),
     "dp2": (2, 1, 1, 1, {**both("ref"), **both("two_mini", mini_batches=2, max_rows=3),
-                         **both("distopt", **DISTOPT), "bf16": {"lr": 1e-4, "dtype": torch.bfloat16, **DISTOPT}}),
+                         **both("distopt", **DISTOPT), "bf16": {"lr": 1e-4, "dtype": torch.bfloat16, **DISTOPT},
+                         **NEW}),
     "cp2": (2, 1, 1, 2, {**both("ref"), **{k: v for name, knobs in LOSSES.items() for k, v in both(name, **knobs).items()}}),
     "tp2pp2": (4, 2, 2, 1, both("ref")),
     "tp2dp2": (4, 2, 1, 1, both("sp_distopt", **SP, **DISTOPT)),
@@ -171,14 +195,39 @@ def test_every_loss_sees_each_token_once_under_context_parallel(runs, name):
     ref = runs("one")[name][0]
     assert ref["loss"] != runs("one")["ref"][0]["loss"]
     # The selections and the KL term are not empty (a trivial case would prove nothing).
-    nonzero = {"clip_cov": "clip_cov/frac", "kl_cov": "kl_cov/frac", "seq_sum_kl": "kl_loss"}
+    nonzero = {"clip_cov": "clip_cov/frac", "kl_cov": "kl_cov/frac", "seq_sum_kl": "kl_loss", "gspo": "pg_clipfrac",
+               "cispo": "pg_clipfrac", "forking": "forking/kept_frac", "forking_sel": "forking/kept_frac",
+               **{n: "off_policy/masked_frac" for n in ("tis_band", "mis_token", "mis_seq", "geo")}}
     if name in nonzero:
-        assert ref["metrics"][nonzero[name]] > 0, ref["metrics"]
+        assert 0 < ref["metrics"][nonzero[name]] < 1, ref["metrics"]
     for variant in (name, f"{name}/padded"):
         ranks = runs("cp2")[variant]
         for got in ranks:
             assert_same_update(ref, got)
         assert_tokens_seen_once(ref, ranks, 1)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_new_losses_and_corrections_match_single_process(runs, layout):
+    """GSPO, CISPO, forking tokens (both normalisers) and the off-policy corrections at TP2, PP2
+    and DP2 (packed) equal one process; CP2, packed and padded, is in the test above."""
+    for name in NEW:
+        for got in runs(layout)[name]:
+            assert_same_update(runs("one")[name][0], got)
+
+
+@pytest.mark.parametrize("name", PER_SEQUENCE)
+def test_new_per_sequence_losses_match_at_every_micro_batch_size(runs, name):
+    ref = runs("one")[name][0]
+    for rows in (1, 2, 4):
+        assert_same_update(ref, runs("one")[f"{name}/rows{rows}"][0])
+
+
+def test_new_losses_differ_from_the_base_loss(runs):
+    """Each new loss and correction changes the update (a no-op would pass every layout test)."""
+    base = runs("one")["grpo"][0]["loss"]
+    for name in NEW:
+        assert runs("one")[name][0]["loss"] != base, name
 
 
 @pytest.mark.parametrize("name,variant", [("one", "ref"), ("tp2", "sp"), ("cp2", "ref")],

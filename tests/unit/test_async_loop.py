@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from megatron_stare.actor.tis import ratio_band_mask, tis_weight
+from megatron_stare.algorithms.config import OffPolicyConfig
+from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
 from megatron_stare.rollout.async_loop import RolloutPipeline, Span, overlaps
 from megatron_stare.rollout.base import SamplingParams
 from megatron_stare.rollout.partial import SegmentedBatch
@@ -168,27 +169,25 @@ def test_too_stale_batch_and_worker_errors_raise_on_take():
         pipe.close()
 
 
-class _MB:
-    def __init__(self, old, eng):
-        self.old_logp, self.engine_logp = old, eng
-
-
 def test_ratio_band_masks_tokens_outside_the_band():
     eng = torch.zeros(1, 6)
     ratios = torch.tensor([[0.3, 0.5, 0.9, 1.0, 2.0, 2.5]])
     old = torch.log(ratios)
-    keep = ratio_band_mask(old, eng, (0.5, 2.0))
+    mask = torch.ones(1, 6, dtype=torch.bool)
+
+    def weight(rules, **bounds):
+        return off_policy_weights(old, eng, mask, OffPolicyCorrection(rules, OffPolicyConfig(**bounds))).weight
+
     # Edges are inside (up to the float log): 0.5 and 2 kept, 0.3 and 2.5 masked.
-    assert keep.tolist() == [[False, True, True, True, True, False]]
-    assert ratio_band_mask(old, eng, (0.5, float("inf"))).tolist() == [[False] + [True] * 5]
-    mb = _MB(old, eng)
-    assert tis_weight(mb, None, None) is None
-    torch.testing.assert_close(tis_weight(mb, None, (0.5, 2.0)), keep.float())
+    keep = torch.tensor([[0.0, 1, 1, 1, 1, 0]])
+    torch.testing.assert_close(weight(("band_mask",)), keep)
+    torch.testing.assert_close(weight(("band_mask",), band_high=float("inf")), torch.tensor([[0.0] + [1.0] * 5]))
+    assert off_policy_weights(old, eng, mask, OffPolicyCorrection()) is None
     # With TIS: min(r, cap) on kept tokens, 0 on masked ones.
-    torch.testing.assert_close(tis_weight(mb, 1.5, (0.5, 2.0)),
+    torch.testing.assert_close(weight(("tis", "band_mask"), tis_cap=1.5),
                                torch.tensor([[0.0, 0.5, 0.9, 1.0, 1.5, 0.0]]))
-    torch.testing.assert_close(tis_weight(mb, 1.5), ratios.clamp(max=1.5))
-    assert tis_weight(_MB(old, None), 1.5, (0.5, 2.0)) is None  # no behaviour log-probs
+    torch.testing.assert_close(weight(("tis",), tis_cap=1.5), ratios.clamp(max=1.5))
+    assert off_policy_weights(old, None, mask, OffPolicyCorrection(("band_mask",))) is None  # no behaviour log-probs
 
 
 def test_in_flight_batches_round_trip_exactly_through_json():
@@ -237,23 +236,22 @@ def test_in_flight_batches_round_trip_exactly_through_json():
         pipe.close()
 
 
-class _MaskedMB(_MB):
+class _MaskedMB:
     def __init__(self, old, eng, mask):
-        super().__init__(old, eng)
-        self.loss_mask = mask
+        self.old_logp, self.engine_logp, self.loss_mask = old, eng, mask
 
 
 def _masked_fraction(rank, world):
     import torch.distributed as dist
 
-    from megatron_stare.actor.mismatch import band_masked_fraction
+    from megatron_stare.actor.mismatch import masked_fraction
 
     eng = torch.zeros(2, 3)
     # 4 response tokens per rank (the mask): 1 outside the band on rank 0, 3 on rank 1.
     ratios = [torch.tensor([[0.3, 1.0, 9.0], [1.0, 1.0, 9.0]]), torch.tensor([[0.1, 3.0, 1.0], [1.0, 0.2, 0.2]])][rank]
     mask = torch.tensor([[True, True, False], [True, True, False]])
-    return band_masked_fraction([_MaskedMB(torch.log(ratios), eng, mask)], (0.5, 2.0), dist.group.WORLD,
-                                torch.device("cpu"))
+    return masked_fraction([_MaskedMB(torch.log(ratios), eng, mask)], OffPolicyCorrection(("band_mask",)),
+                           dist.group.WORLD, None, torch.device("cpu"))
 
 
 def test_band_masked_fraction_counts_masked_response_tokens_over_ranks():

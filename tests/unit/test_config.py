@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.algorithms.off_policy import run_off_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,9 +95,13 @@ def test_bad_input_gives_one_clear_line(files, overrides, world, needle):
 
 
 def test_staleness_accepts_a_server_engine(files):
-    cfg = validate_config(load_config(None, files + ["trainer.staleness=2", "rollout.engine=vllm-server",
-                                                     "trainer.ratio_mask_high=inf"]), world_size=2, cuda=False)
-    assert (cfg.trainer.staleness, cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high) == (2, 0.5, float("inf"))
+    """The old band fields still work (one deprecation line) and give the band mask's bounds."""
+    with pytest.warns(FutureWarning, match="trainer.ratio_mask_low/high are deprecated"):
+        cfg = validate_config(load_config(None, files + ["trainer.staleness=2", "rollout.engine=vllm-server",
+                                                         "trainer.ratio_mask_high=inf"]), world_size=2, cuda=False)
+    corr, _ = run_off_policy(cfg)
+    assert cfg.trainer.staleness == 2 and corr.rules == ("band_mask",)
+    assert (corr.bounds.band_low, corr.bounds.band_high) == (0.5, float("inf"))
 
 
 def test_sequence_parallel_distributed_optimizer_and_bf16_validate_on_cpu(files):

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.preemption import PREEMPTED_EXIT_CODE, Preemption, write_status
+from megatron_stare.reaper import install as install_reaper
 from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
                                            TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
@@ -457,6 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # rank exits must not die of that SIGTERM before its line: from here the signal is only
     # recorded (preemption.py), and torchrun's SIGKILL follows after its shutdown timeout.
     preemption = Preemption.install()
+    install_reaper()  # this rank's helper processes die with it, however it dies (reaper.py)
     try:
         cfg = validate_config(load_config(args.config, args.overrides),
                               world_size=int(os.environ.get("WORLD_SIZE", "1")))

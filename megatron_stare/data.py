@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_stare.config import DataConfig
+from megatron_stare.config_sections import DataConfig  # not config: the preflight reads data
 
 log = logging.getLogger(__name__)
 

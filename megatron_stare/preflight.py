@@ -130,7 +130,7 @@ def _check_contracts(cfg: Config, tokenizer) -> None:
         try:
             load_prompts(path, d, tokenizer)
         except DataError as e:
-            raise ConfigError(f"data.{name}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"data.{name}: {str(e).splitlines()[0].removeprefix('data: ')}") from None
         except (UnicodeDecodeError, OSError, ValueError) as e:
             raise ConfigError(f"data.{name}: {path} cannot be read as "
                               f"{'Parquet' if path.endswith('.parquet') else 'JSON lines (UTF-8)'} "

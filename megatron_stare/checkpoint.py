@@ -164,8 +164,16 @@ _FIXES = {errno.ENOSPC: "free space on its file system or set checkpoint.dir to 
 
 
 def _cause(e: BaseException) -> str:
-    text = str(e).splitlines()[0][:300] if str(e) else ""
-    return f"{type(e).__name__}: {text}"
+    """``Type: first line``, and the OS error inside (megatron-core's and torch's wrappers bury
+    ``[Errno 28] No space left on device`` in a worker's traceback or the exception chain)."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(str(x))
+        x = x.__cause__ or x.__context__
+    found = re.search(r"\[Errno \d+\][^\n]*", "\n".join(chain))
+    inner = found.group(0)[:200] if found and found.group(0) not in first else ""
+    return f"{type(e).__name__}: {first}" + (f" ({inner})" if inner else "")
 
 
 def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> None:

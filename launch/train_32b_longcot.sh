@@ -101,9 +101,15 @@ OPTIMIZER_ARGS=(
   optimizer.lr_schedule=constant
   optimizer.warmup_steps=10
 )
+# The data files, in verl's format (chat-message prompts, reward_model.ground_truth), from the
+# published DAPO-Math-17k and AIME-2024 parquet files:
+#   python -m megatron_stare.data.prepare --format dapo dapo-math-17k.parquet "$DATA_DIR/dapo-math-17k.parquet"
+#   python -m megatron_stare.data.prepare --format aime --split test aime-2024.parquet "$DATA_DIR/aime-2024.parquet"
 DATA_ARGS=(
   data.train_path="$DATA_DIR/dapo-math-17k.parquet"
   data.eval_path="$DATA_DIR/aime-2024.parquet"
+  data.prompt_key=prompt
+  data.answer_key=reward_model.ground_truth
   data.max_prompt_length=2048
 )
 CKPT_ARGS=(

@@ -152,7 +152,8 @@ class AsyncRollouts:
         with tr.phase(SCORE):
             shared = tr.score(prompts, results)
         selector = GroupSelector(tr.cfg)
-        selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts, shared.crashes))
+        selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts, shared.crashes,
+                                 shared.extras))
         samples, stats = selector.finish()
         for s in samples:
             s.metadata["policy_version"] = job.version

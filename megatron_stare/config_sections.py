@@ -140,6 +140,8 @@ class RewardConfig:
 
     fn: str = "math"
     """Reward registry name, or a dotted path 'pkg.module:function' / 'pkg.module.function'."""
+    by_source: Dict[str, str] = field(default_factory=dict)
+    """Reward per row ``data_source`` (``{my_math: math, my_code: 'pkg.mod:fn'}``); other rows use ``fn``."""
     timeout_s: float = num(5.0, gt=0)
     """Per-response time limit of the verifier in seconds, > 0; a response that exceeds it scores 0."""
     num_workers: int = num(2, ge=0)
@@ -176,17 +178,21 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    """Prompt datasets (JSONL or Parquet with ``prompt`` and ``answer`` columns)."""
+    """Prompt datasets (JSONL, Parquet or an Arrow dataset directory; see ``megatron_stare/data``)."""
 
     train_path: Optional[str] = None
     eval_path: Optional[str] = None
     prompt_key: str = "prompt"
+    """Column of the prompt (a string or a list of chat messages); dotted for nested columns."""
     answer_key: str = "answer"
+    """Column of the reference answer; dotted for nested columns (verl: ``reward_model.ground_truth``)."""
     max_prompt_length: int = num(1024, ge=1)
     """Prompts longer than this (in tokens, >= 1) are a malformed row."""
     on_malformed: Literal["fail", "skip"] = "fail"
     """What a malformed row does: stop with its file:line, or skip it with a warning."""
     apply_chat_template: bool = True
+    system_prompt: Optional[str] = None
+    """A system turn put before every string prompt (chat-message prompts keep their own turns)."""
     shuffle: bool = True
     seed: int = num(0, ge=0, le=SEED_MAX)
     """Seed of the prompt order, in [0, 4294967295]."""

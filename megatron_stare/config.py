@@ -30,6 +30,7 @@ import yaml
 from megatron_stare.algorithms.config import AlgorithmConfig
 from megatron_stare.config_checks import check_config
 from megatron_stare.config_fields import ConfigError
+from megatron_stare.config_yaml import read_yaml
 from megatron_stare.config_sections import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
                                             OptimizerConfig, ParallelConfig, RewardConfig, RolloutConfig,
                                             TrainerConfig)
@@ -166,13 +167,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                mark = getattr(e, "problem_mark", None)
-                at = f":{mark.line + 1}" if mark else ""
-                raise ConfigError(f"{path}{at} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        data = read_yaml(path) or {}  # UTF-8, no key twice (config_yaml.py)
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return from_dict(Config, apply_overrides(data, overrides))

@@ -16,7 +16,9 @@ the fix. In order:
    CUDA, server URLs for an engine that takes none, top-p/top-k whose log-probs the trainer
    cannot match, checksums SGLang cannot report);
 3. lengths: a max-length sequence fits the model's positions and one micro-batch;
-4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval).
+4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval);
+5. with ``check_paths``, the preflight (``preflight.py``): what the run will read - weights,
+   tokenizer, data rows, reward function, the checkpoint to resume, the checkpoint directory.
 
 The model's shape comes from ``hf_config`` (a ``config.json`` dict; the planner passes the one
 it plans with) or else from ``model.path/config.json``; without either, shape checks are skipped.
@@ -313,4 +315,9 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
         _require(os.path.isdir(c.resume), f"checkpoint.resume: checkpoint not found: {c.resume} "
                                           f"(use 'auto', 'never' or an existing checkpoint directory)")
     _check_schedule(cfg)
+    if check_paths:
+        # Reads the weight headers, the tokenizer and the data (torch, transformers): not at import.
+        from megatron_stare.preflight import preflight
+
+        preflight(cfg)
     return cfg

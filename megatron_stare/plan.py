@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.preflight import DRY_RUN_SKIPPED
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
@@ -482,6 +483,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(plan.format())
+    print(f"not checked here (dry run): {', '.join(DRY_RUN_SKIPPED)}; the trainer and "
+          f"`python -m megatron_stare.config` check them where the run's files are")
     return 0 if plan.fits else 3
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
 from megatron_stare.preemption import Preemption, exit_code, interrupted_again, write_status
+from megatron_stare.reaper import install as install_reaper
 from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
                                            TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
@@ -455,6 +456,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # recorded (preemption.py), and torchrun's SIGKILL follows after its shutdown timeout.
     preemption = Preemption.install()
     console = Console.from_env().install()  # warnings collapsed, libraries' logging routed (console.py)
+    install_reaper()  # this rank's helper processes die with it, however it dies (reaper.py)
     try:
         cfg = validate_config(load_config(args.config, args.overrides),
                               world_size=int(os.environ.get("WORLD_SIZE", "1")))

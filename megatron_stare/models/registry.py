@@ -48,14 +48,19 @@ def family_by_name(name: str):
 
 
 def family_for_config(hf_config: dict):
-    """The family class of an HF config dict, chosen by ``architectures`` then ``model_type``."""
+    """The family class of an HF config dict, chosen by ``architectures`` (``model_type`` only
+    when a config names no architecture): a ``Qwen2ForSequenceClassification`` or a
+    vision-language model shares its ``model_type`` with the causal LM but not its weights."""
     _ensure_loaded()
     archs = list(hf_config.get("architectures") or [])
-    for name in archs + [hf_config.get("model_type")]:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
+    names = archs or [hf_config.get("model_type")]
+    if "vision_config" not in hf_config:
+        for name in names:
+            if name in ARCHITECTURES:
+                return ARCHITECTURES[name]
     supported = sorted(k for k in ARCHITECTURES if k.endswith("ForCausalLM"))
+    kind = " (a vision-language model)" if "vision_config" in hf_config else ""
     raise ValueError(
-        f"unsupported HF architecture {archs or hf_config.get('model_type')!r}; supported: "
-        f"{supported}"
+        f"unsupported HF architecture {archs or hf_config.get('model_type')!r}{kind}; supported: "
+        f"{supported} (a causal language model)"
     )

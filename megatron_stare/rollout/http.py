@@ -1,9 +1,10 @@
 """The one HTTP call of the server engines: JSON in, JSON out, failures named.
 
-A reply with an error status raises ``RuntimeError`` naming the server and the path with the
-reply's body; a failure of the transport itself (connection refused or reset, a timeout)
-raises what the engine's ``failure(path, err)`` makes of it (an ``EngineFailure`` line that
-says whether the server died or stopped answering).
+Every failure raises what the engine's ``failure(path, err)`` makes of it: an ``EngineFailure``
+whose first line names the server (pid, URL) and what happened, followed by the tail of its log.
+``err`` is the transport's own error (connection refused or reset, a closed socket, a timeout)
+or, for a reply with an error status (a 5xx from a dead engine core), an ``ErrorReply`` holding
+the status and the reply's body.
 """
 
 from __future__ import annotations
@@ -14,14 +15,22 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Optional
 
-__all__ = ["TRANSPORT_ERRORS", "EngineFailure", "request_json"]
+__all__ = ["TRANSPORT_ERRORS", "EngineFailure", "ErrorReply", "request_json"]
 
 #: Transport-level failures of an HTTP call (``HTTPError``, a reply, is handled apart).
 TRANSPORT_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError)
 
 
 class EngineFailure(RuntimeError):
-    """A rollout server died or stopped answering; the first line names it."""
+    """A rollout server died, stopped answering or answered with an error; the first line names it."""
+
+
+class ErrorReply(Exception):
+    """A reply with an error status; ``str()`` is ``HTTP <status>: <body>``."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status, self.body = status, body
 
 
 def request_json(url: str, body: Optional[dict], *, method: str, timeout: float, server: str,
@@ -34,8 +43,8 @@ def request_json(url: str, body: Optional[dict], *, method: str, timeout: float,
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{server} {path} failed ({e.code}): "
-                           f"{e.read().decode(errors='replace')[:2000]}") from None
+        body = " ".join(e.read().decode(errors="replace").split())[:2000]  # one line
+        raise failure(path, ErrorReply(e.code, body)) from None
     except TRANSPORT_ERRORS as e:
         raise failure(path, e) from None
     return json.loads(raw) if raw else None

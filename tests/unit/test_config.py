@@ -9,17 +9,16 @@ import pytest
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.algorithms.off_policy import run_off_policy
+from megatron_stare.models.tiny import build_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def files(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 301, "hidden_size": 128, "intermediate_size": 256}))
+    # A real tiny model (the preflight reads its weights and tokenizer): 4 layers, 4 heads, 2 KV heads.
+    model = build_tiny_hf_model("qwen2", tmp_path / "model", num_layers=4, vocab_size=301,
+                                max_position_embeddings=4096)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return [f"model.path={model}", f"data.train_path={data}"]

@@ -16,6 +16,7 @@ import pytest
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.config_fields import check_fields, numeric_fields
+from megatron_stare.models.tiny import build_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = list(numeric_fields(Config))
@@ -26,8 +27,8 @@ TINY_HF = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "num_a
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("cfg")
-    (root / "model").mkdir()
-    (root / "model" / "config.json").write_text(json.dumps(TINY_HF))
+    # TINY_HF's shape, real files (the preflight reads the weights and the tokenizer)
+    build_tiny_hf_model("qwen2", root / "model", num_layers=4, vocab_size=301, max_position_embeddings=4096)
     (root / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return [f"model.path={root / 'model'}", f"data.train_path={root / 'train.jsonl'}"]
 

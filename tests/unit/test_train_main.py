@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_stare.models.tiny import build_tiny_hf_model
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # torchrun SIGTERMs every worker as soon as one exits: a rank that finds a user error quickly
@@ -34,9 +36,10 @@ def test_user_error_is_printed_despite_torchruns_sigterm(tmp_path, override, nee
     (before main() installed the preemption handler first, the signal killed it: CI saw no line)."""
     # The checks the config makes of paths pass; the reward path fails first in the trainer.
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    model = build_tiny_hf_model("qwen2", tmp_path / "model")
     out = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT / "examples" / "tiny_cpu.yaml"), override,
                           "parallel.tp=1", f"logging.dir={tmp_path}",
-                          f"model.path={tmp_path}", f"data.train_path={tmp_path / 'train.jsonl'}"], capture_output=True, text=True, timeout=300,
+                          f"model.path={model}", f"data.train_path={tmp_path / 'train.jsonl'}"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])

@@ -1,0 +1,46 @@
+"""The reaper (``megatron_stare/reaper.py``): what a process started dies with it, however it dies."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from megatron_stare.reaper import marked_processes
+
+# A "rank": starts the watchdog, then a subprocess child (in its own session, as the engine
+# servers are), a multiprocessing Manager (as megatron-core's checkpoint writer does, with the
+# resource tracker) and a child that ignores SIGTERM; then it dies as the test says.
+RANK = r"""
+import multiprocessing as mp, os, signal, subprocess, sys, time
+from megatron_stare.reaper import install
+install()
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+q = mp.get_context("spawn").Manager().Queue()
+print("ready", flush=True)
+if sys.argv[1] == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(3)  # a plain exit without ending the children (an exception past every handler)
+"""
+
+
+def _wait_gone(run: str, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while (left := marked_processes("REAPER_TEST_RUN", run)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_a_dead_rank_leaves_no_process(how):
+    run = uuid.uuid4().hex
+    env = {**os.environ, "REAPER_TEST_RUN": run}
+    proc = subprocess.run([sys.executable, "-c", RANK, how], env=env, capture_output=True, text=True, timeout=120)
+    assert "ready" in proc.stdout, proc.stderr
+    assert proc.returncode == (-signal.SIGKILL if how == "sigkill" else 3)
+    left = _wait_gone(run, 10.0)
+    assert not left, f"processes of the dead rank remain: {left}"

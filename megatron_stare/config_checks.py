@@ -187,6 +187,7 @@ def _check_schedule(cfg: Config) -> None:
                                      f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
     _check_staleness(cfg)
+    _check_offload(cfg)
     for name in ("save_every", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
@@ -213,6 +214,16 @@ def _check_staleness(cfg: Config) -> None:
     _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
                                      f"a step's extra generation batches cannot be drawn ahead; set one of "
                                      f"trainer.dynamic_sampling=false or trainer.staleness=0")
+
+
+def _check_offload(cfg: Config) -> None:
+    """Offloading the trainer's state (``offload.py``) pays only while a colocated engine
+    generates on the same GPUs between the trainer's phases."""
+    t, r = cfg.trainer, cfg.rollout
+    between = COLOCATED_ENGINES + ("hf",)  # hf: in the driver's process, on its GPU
+    _require(t.offload == "none" or r.engine in between,
+             f"trainer.offload={t.offload} needs an engine on the trainer's GPUs that generates between "
+             f"its phases ({', '.join(between)}), but rollout.engine={r.engine}; set trainer.offload=none")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,

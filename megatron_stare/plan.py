@@ -164,8 +164,19 @@ _COMPONENTS = (
 )
 
 
-def _phase_totals(components: Dict[str, float], step: Tuple[Phase, ...] = STEP_PHASES) -> Dict[str, float]:
-    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if where(p)) for p in step}
+#: What each ``trainer.offload`` level moves off the GPU in the phases with ``trainer_offloaded``.
+OFFLOADED = {"none": (), "optimizer": ("main_grads_gib", "optimizer_gib"),
+             "all": ("weights_gib", "main_grads_gib", "optimizer_gib", "reference_gib")}
+
+
+def _resident(name: str, where, p: Phase, offload: str) -> bool:
+    return where(p) and not (p.trainer_offloaded and name in OFFLOADED[offload])
+
+
+def _phase_totals(components: Dict[str, float], step: Tuple[Phase, ...] = STEP_PHASES,
+                  offload: str = "none") -> Dict[str, float]:
+    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if _resident(name, where, p, offload))
+            for p in step}
 
 
 def _awake_throughout(step: Tuple[Phase, ...]) -> Tuple[Phase, ...]:
@@ -205,10 +216,13 @@ class MemoryPlan:
     assumptions: Assumptions = field(default_factory=Assumptions)
     step_phases: Tuple[Phase, ...] = STEP_PHASES
     """The phases with what each holds (asynchronous: the engine awake in all of them)."""
+    offload: str = "none"
+    """``trainer.offload``: what leaves the GPU from the offload phase to the onload phase."""
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""
-        return [(label, {p.name: getattr(self, name) if where(p) else 0.0 for p in self.step_phases})
+        return [(label, {p.name: getattr(self, name) if _resident(name, where, p, self.offload) else 0.0
+                         for p in self.step_phases})
                 for name, label, where in _COMPONENTS]
 
     def format(self) -> str:
@@ -390,14 +404,15 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
     # Asynchronous, an engine on the trainer's GPUs (a spawned server) stays awake while it trains.
     step_phases = _awake_throughout(STEP_PHASES) if t.staleness > 0 and colocated else STEP_PHASES
-    stage = max(stages, key=lambda i: max(_phase_totals(stages[i], step_phases).values()))
+    off = t.offload
+    stage = max(stages, key=lambda i: max(_phase_totals(stages[i], step_phases, off).values()))
     # Data-parallel rollout (rollout/data_parallel.py): a colocated engine's TP groups are its
     # replicas, each generating its slice; a driver client is one (servers share its batch).
     replicas = world_size // etp if traits.colocated else 1
     # The TP all-gather of the export: (tp - 1) shards of each TP-split weight of the stage.
     gathered = max((tp - 1) * (_stage_params(counts, pp, tp, i) - _stage_params(counts, pp, 10 ** 9, i))
                    for i in stages) * wbytes
-    phases = _phase_totals(stages[stage], step_phases)
+    phases = _phase_totals(stages[stage], step_phases, off)
     peak_phase = max(PHASES, key=phases.get)
     layout = PlanLayout(
         world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=p.sequence_parallel,
@@ -413,7 +428,7 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
-                      fits=True, assumptions=a, step_phases=step_phases, **stages[stage])
+                      fits=True, assumptions=a, step_phases=step_phases, offload=off, **stages[stage])
 
     if plan.peak_gib > gpu_mem_gb:
         label, per = max(plan.rows(), key=lambda row: row[1][plan.peak_phase])

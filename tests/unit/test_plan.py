@@ -172,7 +172,7 @@ def test_plan_phases_are_the_training_loops():
     from megatron_stare.rollout.phases import PHASES as STEP
 
     assert PHASES == tuple(p.name for p in STEP) == (
-        "generate", "gather", "score", "release", "train", "resume_w", "sync", "resume_kv")
+        "generate", "gather", "score", "release", "onload", "train", "resume_w", "sync", "offload", "resume_kv")
     p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
     ph = p.phases
     awake = p.engine_weights_gib + p.engine_kv_gib + p.engine_workspace_gib
@@ -181,5 +181,7 @@ def test_plan_phases_are_the_training_loops():
     assert ph["train"] == pytest.approx(ph["release"] + p.activations_gib + p.logits_gib)
     assert ph["resume_w"] == pytest.approx(ph["release"] + p.engine_weights_gib)
     assert ph["sync"] == pytest.approx(ph["resume_w"] + p.sync_bucket_gib)
+    # Without trainer.offload the onload and offload phases hold what their neighbours hold.
+    assert ph["onload"] == ph["release"] and ph["offload"] == ph["resume_w"]
     header = next(ln for ln in p.format().splitlines() if ln.strip().startswith("component"))
     assert header.split()[1:] == list(PHASES)

@@ -44,7 +44,11 @@ training loop runs: an engine on the trainer's GPUs holds its weights, KV cache 
 while awake (generate, gather, score, resume_kv), releases them for the trainer's turn (release,
 train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
 and its KV cache after it. The trainer keeps its weights, grads and optimizer state resident in
-every phase (this trainer does not offload); activations and logits live in ``train``, one
+every phase unless ``trainer.offload`` moves them (``offload.py``: 'optimizer' the grads and the
+optimizer state, 'all' also the weights and a reference model) from the ``offload`` phase to the
+``onload`` phase, i.e. while the engine generates; the ``offload`` line then says what the
+engine may take of it (its memory fraction raised by the freed bytes, the KV pool and the
+full-length sequences per replica before and after; with 'none' what 'all' would give). Activations and logits live in ``train``, one
 weight-sync bucket in ``sync``. Asynchronous (``trainer.staleness > 0``), an engine on the
 trainer's GPUs (a spawned ``vllm-server``) never releases: it generates the next batch while the
 trainer trains, so it counts as awake in every phase. The peak is the largest phase total, each phase
@@ -141,6 +145,37 @@ class PlanLayout:
     """Flat bucket size of the weight push (``rollout.sync_bucket_mb``)."""
     staleness: int = 0
     """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
+    offload: "OffloadPlan" = None
+    """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The trainer's state off the GPU while the engine generates, and what the engine can do with
+    it: a memory fraction raised by the freed bytes, its KV pool and full-length sequences per
+    replica before and after (``offload.py``)."""
+
+    level: str
+    """``trainer.offload``; with 'none' the figures are those 'all' would give (a hint)."""
+    freed_gib: float
+    """Per GPU: the level's components (``OFFLOADED``) on the stage that frees least."""
+    utilization_before: float
+    utilization_after: float
+    """``rollout.gpu_memory_utilization`` + freed / GPU memory, rounded down to 0.01, at most 0.95."""
+    kv_before_gib: float
+    kv_after_gib: float
+    sequences_before: int
+    sequences_after: int
+    """Full-length sequences the KV pool of one replica holds at once."""
+
+    def line(self, sequences: int) -> str:
+        level = self.level if self.level != "none" else "none (with trainer.offload=all"
+        tail = ")" if self.level == "none" else ""
+        return (f"  offload  trainer.offload={level}: {self.freed_gib:.1f} GiB per GPU leave for pinned host memory "
+                f"while the engine generates; rollout.gpu_memory_utilization {self.utilization_before:g} -> "
+                f"{self.utilization_after:g} gives the engine KV {self.kv_before_gib:.1f} -> {self.kv_after_gib:.1f} "
+                f"GiB per GPU: {self.sequences_before} -> {self.sequences_after} full-length sequences per replica "
+                f"at once (of {sequences}){tail}")
 
 
 def _always(p: Phase) -> bool:
@@ -275,6 +310,8 @@ class MemoryPlan:
         else:
             lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
                          f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
+        if L.offload is not None:
+            lines.append(L.offload.line(L.sequences_per_instance))
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -289,7 +326,8 @@ class MemoryPlan:
         a = self.assumptions
         lines.append(f"Assumptions: {'flash' if a.flash_attention else 'unfused'} attention; logits "
                      f"chunk {a.logits_chunk}; runtime {a.runtime_gib:g} GiB + {a.fragmentation:.0%} "
-                     f"slack; trainer state resident during rollout; see megatron_stare/plan.py")
+                     f"slack; trainer state {'offloaded (' + self.offload + ')' if self.offload != 'none' else 'resident'} "
+                     f"during rollout; see megatron_stare/plan.py")
         return "\n".join(lines)
 
 
@@ -445,6 +483,14 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
                 f"{budget:.1f} GiB, which after its weights ({eng_w:.1f} GiB) and workspace holds "
                 f"less than one {max_seq}-token sequence's KV cache ({one_seq:.2f} GiB); raise "
                 f"rollout.gpu_memory_utilization or rollout.tp")
+    if colocated and r.engine != "hf":
+        level = off if off != "none" else "all"
+        freed = min(sum(st[k] for k in OFFLOADED[level]) for st in stages.values())
+        after = min(math.floor((r.gpu_memory_utilization + freed / gpu_mem_gb) * 100 + 1e-9) / 100, 0.95)
+        after = max(after, r.gpu_memory_utilization)
+        kv_after = max(after * gpu_mem_gb - eng_w - eng_ws, 0.0)
+        layout.offload = OffloadPlan(off, freed, r.gpu_memory_utilization, after, eng_kv, kv_after, concurrent,
+                                     int(kv_after * GiB // (max_seq * kv_per_token)))
     plan.fits = not plan.reasons
     return plan
 

@@ -185,3 +185,49 @@ def test_plan_phases_are_the_training_loops():
     assert ph["onload"] == ph["release"] and ph["offload"] == ph["resume_w"]
     header = next(ln for ln in p.format().splitlines() if ln.strip().startswith("component"))
     assert header.split()[1:] == list(PHASES)
+
+
+def test_offload_line_32b_and_7b_by_hand():
+    """What ``trainer.offload`` frees per GPU and the KV pool the engine gets from it, by hand:
+    per TP rank of the stage that frees least, bf16 weights 2 B + fp32 grads 4 B + (master,
+    m, v) 12 B / (dp*cp) per parameter ('optimizer': without the 2 B); the engine's fraction
+    grows by freed / 80 GiB (rounded down to 0.01), its KV pool by the same bytes."""
+    import math
+
+    def rank_params(h, heads, kv, ffn, layers, vocab_padded, tp, embeddings, final_norm):
+        hd = h // heads
+        att = (h * h + h) + 2 * (h * kv * hd + kv * hd) + h * h
+        split = layers * (att + 3 * h * ffn) + embeddings * vocab_padded * h
+        return split / tp + layers * 2 * h + (h if final_norm else 0)
+
+    # 32B: TP8 PP2 CP2 DP1, 32 layers a stage; vocab 152064 padded to a multiple of 128*8 = 152576.
+    # Stage 0 (embedding, no final norm) frees least; optimizer shards over dp*cp = 2.
+    n0 = rank_params(5120, 40, 8, 27648, 32, 152576, 8, embeddings=1, final_norm=False)
+    for level, per_param in (("all", 2 + 4 + 12 / 2), ("optimizer", 4 + 12 / 2)):
+        p = estimate_memory(load_config(str(YAML32), [f"trainer.offload={level}"]),
+                            json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+        o = p.layout.offload
+        assert o.level == level and o.freed_gib == pytest.approx(n0 * per_param / GiB)
+        assert o.utilization_before == 0.55
+        assert o.utilization_after == math.floor((0.55 + n0 * per_param / GiB / 80) * 100) / 100
+        kv_token = 2 * 64 * 1 * 128 * 2  # K and V, 64 layers, 8 KV heads / engine TP 8, head dim 128, bf16
+        kv_after = o.utilization_after * 80 - p.engine_weights_gib - 2.0  # 2 GiB engine workspace
+        assert o.kv_after_gib == pytest.approx(kv_after)
+        assert o.sequences_after == int(kv_after * GiB // (22528 * kv_token)) > o.sequences_before == 49
+        assert f"{o.sequences_before} -> {o.sequences_after} full-length sequences per replica" in p.format()
+    assert (o.utilization_after, o.sequences_after) == (0.78, 76)  # 'optimizer': 19.1 GiB
+    # The offloaded rows are gone from the generate column (all: 22.9 GiB of the stage's state).
+    p = estimate_memory(load_config(str(YAML32), ["trainer.offload=all"]), json.loads(QWEN32.read_text()), 32, 80)
+    plain = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), 32, 80)
+    assert plain.layout.offload.level == "none" and "with trainer.offload=all" in plain.format()
+    assert p.phases["generate"] == pytest.approx(plain.phases["generate"] - (
+        plain.weights_gib + plain.main_grads_gib + plain.optimizer_gib))
+    assert p.phases["train"] >= plain.phases["train"] - 1.0  # the train phase keeps everything
+    # 7B: TP2 DP4, one stage with both embeddings and the final norm; vocab 152064 (a multiple
+    # of 128*2); optimizer shards over dp = 4.
+    n = rank_params(3584, 28, 4, 18944, 28, 152064, 2, embeddings=2, final_norm=True)
+    p7 = estimate_memory(load_config(str(YAML7), ["trainer.offload=all"]), json.loads(QWEN7.read_text()), 8, 80)
+    o7 = p7.layout.offload
+    assert o7.freed_gib == pytest.approx(n * (2 + 4 + 12 / 4) / GiB)
+    assert o7.utilization_after == math.floor((0.45 + n * 9 / GiB / 80) * 100) / 100 == 0.84
+    assert o7.sequences_before == 246 >= 128  # the 7B pool already holds a replica's whole batch

@@ -70,6 +70,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
+from megatron_stare.plan_sync import SyncStaging, sync_staging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.phases import EngineMemory, Phase
 from megatron_stare.rollout.spec import ENGINE_TRAITS
@@ -147,6 +148,12 @@ class PlanLayout:
     """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
     offload: "OffloadPlan" = None
     """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
+    sync_staging: SyncStaging = field(default_factory=SyncStaging)
+    """The sync's staging on a rank of the planned stage, bytes by part (``plan_sync.py``)."""
+    first_sync_gib: float = 0.0
+    """The first weight sync (at start, after a resume): with ``trainer.offload=none`` the engine
+    is awake (KV cache resident) and the trainer's state too, plus the staging, on the stage that
+    needs most; with offload it runs in a trainer turn (the engine released): the sync column."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ _COMPONENTS = (
     ("engine_kv_gib", "engine KV cache", lambda p: p.engine is EngineMemory.AWAKE),
     ("engine_workspace_gib", "engine workspace", lambda p: p.engine is EngineMemory.AWAKE),
     ("engine_asleep_gib", "engine while released", lambda p: p.engine is not EngineMemory.AWAKE),
-    ("sync_bucket_gib", "weight-sync bucket", lambda p: p.sync_bucket),
+    ("sync_bucket_gib", "weight-sync staging", lambda p: p.sync_bucket),
     ("runtime_gib", "runtime (context, NCCL, slack)", _always),
 )
 
@@ -310,6 +317,14 @@ class MemoryPlan:
         else:
             lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
                          f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
+        if L.sync_staging.total:
+            lines.append(f"  staging  per rank of stage {self.stage} during a sync ({L.sync_bucket_mb} MiB buckets): "
+                         f"{L.sync_staging.describe(GiB)} = {L.sync_staging.total / GiB:.2f} GiB")
+        if L.first_sync_gib:
+            how = ("with the engine awake (KV cache resident) and the trainer's state resident"
+                   if self.offload == "none" else "in a trainer turn (the engine released, only the weights back)")
+            lines.append(f"  first    the first sync (start, resume) runs {how}: {L.first_sync_gib:.1f} GiB of "
+                         f"{self.gpu_mem_gb:g} ({self.gpu_mem_gb - L.first_sync_gib:.1f} GiB headroom)")
         if L.offload is not None:
             lines.append(L.offload.line(L.sequences_per_instance))
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
@@ -420,8 +435,14 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
     concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
 
     shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
-                  engine_asleep_gib=eng_sleep, sync_bucket_gib=r.sync_bucket_mb / 1024 if colocated else 0.0,
-                  runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+                  engine_asleep_gib=eng_sleep, runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+    # The sync's staging by rank role (plan_sync.py): the whole-tensor export to a colocated
+    # engine on every rank, else the piece export's collector.
+    staging = {i: sync_staging(stage=i, pp=pp, tp=tp, bucket=r.sync_bucket_mb * 2.0 ** 20, esize=wbytes,
+                               colocated=traits.colocated, hidden=h, ffn=spec.ffn_hidden_size,
+                               q_dim=spec.num_attention_heads * hd, kv_dim=kv_dim, vocab=spec.vocab_size,
+                               vocab_padded=vocab_p, tied=spec.tie_word_embeddings)
+               for i in sorted({0, pp - 1})}
     stages = {}
     for stage in sorted({0, pp - 1}):  # middle stages hold no more than either end
         n_params = _stage_params(counts, pp, tp, stage)
@@ -439,7 +460,8 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             weights_gib=weights, main_grads_gib=n_params * 4 / GiB,
             optimizer_gib=n_params * opt_bytes / opt_shards / GiB,
             activations_gib=act / GiB, logits_gib=logits / GiB,
-            reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
+            reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0,
+            sync_bucket_gib=staging[stage].total / GiB, **shared)
     # Asynchronous, an engine on the trainer's GPUs (a spawned server) stays awake while it trains.
     step_phases = _awake_throughout(STEP_PHASES) if t.staleness > 0 and colocated else STEP_PHASES
     off = t.offload
@@ -463,6 +485,7 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
         sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0,
         attached_servers=0 if colocated else len(r.server_urls), sync_bucket_mb=r.sync_bucket_mb,
+        sync_staging=staging[stage],
         staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
@@ -484,6 +507,14 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
                 f"less than one {max_seq}-token sequence's KV cache ({one_seq:.2f} GiB); raise "
                 f"rollout.gpu_memory_utilization or rollout.tp")
     if colocated and r.engine != "hf":
+        layout.first_sync_gib = phases["sync"] if off != "none" else max(
+            _phase_totals(stages[i], step_phases)["generate"] + staging[i].total / GiB for i in stages)
+        if layout.first_sync_gib > gpu_mem_gb:
+            plan.reasons.append(
+                f"the first weight sync (at start and after a resume) runs with the engine's KV cache resident: "
+                f"{layout.first_sync_gib:.1f} GiB, more than the {gpu_mem_gb:g} GiB of a GPU; set trainer.offload="
+                f"optimizer or all (the sync then runs with the engine released), or lower "
+                f"rollout.gpu_memory_utilization or rollout.sync_bucket_mb")
         level = off if off != "none" else "all"
         freed = min(sum(st[k] for k in OFFLOADED[level]) for st in stages.values())
         after = min(math.floor((r.gpu_memory_utilization + freed / gpu_mem_gb) * 100 + 1e-9) / 100, 0.95)

@@ -231,3 +231,38 @@ def test_offload_line_32b_and_7b_by_hand():
     assert o7.freed_gib == pytest.approx(n * (2 + 4 + 12 / 4) / GiB)
     assert o7.utilization_after == math.floor((0.45 + n * 9 / GiB / 80) * 100) / 100 == 0.84
     assert o7.sequences_before == 246 >= 128  # the 7B pool already holds a replica's whole batch
+
+
+def test_sync_staging_by_role_and_first_sync_by_hand():
+    """The sync's staging (plan_sync.py) on the planned stage, by hand from what the export
+    allocates: the TP-gather scratch (the stage's largest full tensor), the concatenation
+    scratch (the GLU fc1, full), two own staging slots (a bucket and the largest HF tensor when
+    it exceeds one) and, with PP, two slots for the other stages' buckets; the first sync adds
+    it to the generate column (engine awake, trainer state resident)."""
+    B32, B7 = 1024 * 2**20, 512 * 2**20
+    # 32B last stage, TP8 PP2, bf16: the padded output layer 152576 x 5120; fc1 2 x 27648 x 5120;
+    # the HF lm_head / embed_tokens 152064 x 5120 (1.45 GiB) exceed a 1 GiB bucket.
+    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    st = p.layout.sync_staging
+    hf_vocab = 152064 * 5120 * 2
+    assert (st.gather, st.join) == (152576 * 5120 * 2, 2 * 27648 * 5120 * 2)
+    assert st.own == st.received == B32 + hf_vocab
+    assert p.sync_bucket_gib == pytest.approx(st.total / GiB) and 6.5 < st.total / GiB < 7.5
+    assert p.layout.first_sync_gib == pytest.approx(p.phases["generate"] + st.total / GiB)
+    assert p.fits and p.layout.first_sync_gib > p.peak_gib  # 79.3 of 80 GiB: the tightest moment
+    assert "the first sync (start, resume) runs with the engine awake" in p.format()
+    # A larger bucket makes the first sync the reason it does not fit; offload runs it released.
+    big = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048"]),
+                          json.loads(QWEN32.read_text()), 32, 80)
+    assert not big.fits and "the first weight sync" in big.reasons[0] and "trainer.offload" in big.reasons[0]
+    off = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048", "trainer.offload=all"]),
+                          json.loads(QWEN32.read_text()), 32, 80)
+    assert off.fits and off.layout.first_sync_gib == off.phases["sync"]
+    # 7B, TP2 PP1, 512 MiB buckets: vocab 152064 is already a multiple of 256; no other stage.
+    p7 = estimate_memory(load_config(str(YAML7)), json.loads(QWEN7.read_text()), 8, 80)
+    st7 = p7.layout.sync_staging
+    assert (st7.gather, st7.join, st7.received) == (152064 * 3584 * 2, 2 * 18944 * 3584 * 2, 0.0)
+    assert st7.own == B7 + 152064 * 3584 * 2
+    # The piece export (an engine behind a process group): the collector's two buckets.
+    srv = estimate_memory(load_config(str(YAML7), ["rollout.engine=vllm-server"]), json.loads(QWEN7.read_text()), 8, 80)
+    assert srv.layout.sync_staging.total == 2 * B7

@@ -31,8 +31,13 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs tp > 1); lengths are padded to a multiple of tp."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
-    recompute: Optional[Literal["full", "selective"]] = None
-    """Activation recompute granularity passed to megatron-core; null = none."""
+    recompute: Optional[Literal["auto", "full", "selective", "none"]] = None
+    """Activation recompute, passed to megatron-core's ``TransformerConfig``: 'full' re-runs every
+    layer's forward in backward (about 1/3 more update FLOPs, keeps only each layer's input),
+    'selective' only the attention core (no saving with flash attention, which keeps no
+    softmax), 'none'/null nothing. 'auto': the planner's choice (``plan.choose_recompute``): the
+    cheapest that fits the GPU (none, then selective, then full), said in one line at start
+    (on CPU: none)."""
     pack_sequences: bool = True
     """Pack each micro-batch's sequences end to end into one row (THD, no padding between them,
     per-sequence positions); false: one right-padded row per sequence."""

@@ -150,6 +150,8 @@ class PlanLayout:
     """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
     sync_staging: SyncStaging = field(default_factory=SyncStaging)
     """The sync's staging on a rank of the planned stage, bytes by part (``plan_sync.py``)."""
+    recompute_note: str = ""
+    """Why ``parallel.recompute=auto`` chose what it chose, or what it would choose instead of 'full'."""
     first_sync_gib: float = 0.0
     """The first weight sync (at start, after a resume): with ``trainer.offload=none`` the engine
     is awake (KV cache resident) and the trainer's state too, plus the staging, on the stage that
@@ -327,6 +329,8 @@ class MemoryPlan:
                          f"{self.gpu_mem_gb:g} ({self.gpu_mem_gb - L.first_sync_gib:.1f} GiB headroom)")
         if L.offload is not None:
             lines.append(L.offload.line(L.sequences_per_instance))
+        if L.recompute_note:
+            lines.append(f"  recomp   {L.recompute_note}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -375,6 +379,28 @@ def _hint(label: str, cfg: Config, dp: int) -> str:
 
 
 def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
+                    assumptions: Assumptions = Assumptions()) -> MemoryPlan:
+    """The per-GPU memory plan of ``cfg`` on ``world_size`` GPUs of ``gpu_mem_gb`` GiB each.
+
+    ``cfg`` should have passed ``check_for_gpus``; the model shape comes from ``hf_config``.
+
+    ``parallel.recompute=auto`` plans with ``choose_recompute``'s choice and says why; with
+    'full', the plan says what auto would choose instead when that is cheaper.
+    """
+    r = cfg.parallel.recompute
+    if r not in ("auto", "full"):
+        return _estimate_memory(cfg, hf_config, world_size, gpu_mem_gb, assumptions)
+    choice, why = choose_recompute(cfg, hf_config, world_size, gpu_mem_gb, assumptions)
+    plan = _estimate_memory(_with_recompute(cfg, choice if r == "auto" else "full"), hf_config, world_size,
+                            gpu_mem_gb, assumptions)
+    if r == "auto":
+        plan.layout.recompute_note = why
+    elif choice != "full":
+        plan.layout.recompute_note = f"parallel.recompute=full; parallel.recompute=auto would choose: {why}"
+    return plan
+
+
+def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
                     assumptions: Assumptions = Assumptions()) -> MemoryPlan:
     """The per-GPU memory plan of ``cfg`` on ``world_size`` GPUs of ``gpu_mem_gb`` GiB each.
 
@@ -524,6 +550,43 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
                                      int(kv_after * GiB // (max_seq * kv_per_token)))
     plan.fits = not plan.reasons
     return plan
+
+
+def _with_recompute(cfg: Config, choice: Optional[str]) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=choice))
+
+
+def choose_recompute(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
+                     assumptions: Assumptions = Assumptions()) -> Tuple[str, str]:
+    """(recompute, why) for ``parallel.recompute=auto``: the cheapest of none, selective, full
+    whose plan fits (full when none does)."""
+    train = {}
+    for choice in ("none", "selective", "full"):
+        plan = _estimate_memory(_with_recompute(cfg, choice), hf_config, world_size, gpu_mem_gb, assumptions)
+        train[choice] = plan.phases["train"]
+        if plan.fits and choice != "full":
+            break
+    else:
+        return "full", (f"recompute auto -> full: the train phase needs {train['none']:.1f} GiB without "
+                        f"recompute ({train['selective']:.1f} selective): the plan does not fit {gpu_mem_gb:g} GiB "
+                        f"without full recompute ({train['full']:.1f} GiB with it)")
+    why = (f"recompute auto -> {choice}: the train phase fits with {'no' if choice == 'none' else 'selective'} "
+           f"recompute ({train[choice]:.1f} GiB of {gpu_mem_gb:g}, activations {plan.activations_gib:.1f} GiB); "
+           f"full recompute would re-run every layer's forward in backward (about 1/3 more update FLOPs)")
+    if choice == "selective":
+        why += f"; without any, the train phase needs {train['none']:.1f} GiB"
+    return choice, why
+
+
+def resolve_recompute(cfg: Config, hf_dir: str, world_size: int) -> Tuple[str, str]:
+    """The trainer's ``parallel.recompute=auto``: the planner's choice for this GPU's memory (on
+    CPU: none, there is no device memory to save)."""
+    import torch  # only the trainer's call needs it, not the dry run
+
+    if not torch.cuda.is_available():
+        return "none", "recompute auto -> none (CPU)"
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    return choose_recompute(cfg, load_hf_config(hf_dir), world_size, gpu)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -78,6 +78,12 @@ class Trainer:
         hf_dir = self._hf_dir()
         self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if p.recompute == "auto":  # the planner's choice for this GPU (plan.py), said once
+            from megatron_stare.plan import resolve_recompute
+
+            p.recompute, why = resolve_recompute(cfg, hf_dir, world)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"[megatron-stare] {why}", flush=True)
         layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)

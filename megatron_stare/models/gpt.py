@@ -103,7 +103,8 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: t
         variable_seq_lengths=True,  # micro-batches of a token budget differ in length
         moe_token_dispatcher_type="alltoall",  # (only so Megatron accepts variable lengths)
     )
-    if recompute:
+    assert recompute != "auto", "parallel.recompute=auto is resolved before the model is built (plan.py)"
+    if recompute in ("full", "selective"):
         kwargs.update(recompute_granularity=recompute,
                       **({"recompute_method": "uniform", "recompute_num_layers": 1}
                          if recompute == "full" else {}))

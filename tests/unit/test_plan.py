@@ -266,3 +266,31 @@ def test_sync_staging_by_role_and_first_sync_by_hand():
     # The piece export (an engine behind a process group): the collector's two buckets.
     srv = estimate_memory(load_config(str(YAML7), ["rollout.engine=vllm-server"]), json.loads(QWEN7.read_text()), 8, 80)
     assert srv.layout.sync_staging.total == 2 * B7
+
+
+def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
+    """``parallel.recompute=auto``: none when the plan fits without recompute (the 32B recipe's
+    train phase: 41.4 GiB of 80 with 11.1 GiB of activations), full when only full fits (the 7B
+    recipe on 72 GiB GPUs); the plan says why, and with 'full' what auto would choose. The
+    choice reaches megatron-core's TransformerConfig; on CPU auto is none."""
+    from megatron_stare.models.gpt import transformer_config
+    from megatron_stare.plan import choose_recompute, resolve_recompute
+    from megatron_stare.testing.megatron_tiny import TINY_SPEC
+
+    hf32, hf7 = json.loads(QWEN32.read_text()), json.loads(QWEN7.read_text())
+    auto = estimate_memory(load_config(str(YAML32), ["parallel.recompute=auto"]), hf32, 32, 80)
+    none = estimate_memory(load_config(str(YAML32), ["parallel.recompute=none"]), hf32, 32, 80)
+    assert auto.layout.recompute == "none" and auto.phases == none.phases
+    assert "recompute auto -> none: the train phase fits with no recompute (41.4 GiB of 80" in auto.format()
+    full = estimate_memory(load_config(str(YAML32)), hf32, 32, 80)
+    assert full.layout.recompute == "full" and "auto would choose: recompute auto -> none" in full.format()
+    assert full.phases["train"] < none.phases["train"] - 10  # what full recompute saves, unneeded here
+    choice, why = choose_recompute(load_config(str(YAML7)), hf7, 8, 72)
+    assert choice == "full" and "without recompute" in why
+    assert estimate_memory(load_config(str(YAML7), ["parallel.recompute=auto"]), hf7, 8, 72).layout.recompute == "full"
+    assert choose_recompute(load_config(str(YAML7)), hf7, 8, 80)[0] == "none"  # 78.8 GiB of 80
+    assert resolve_recompute(load_config(str(YAML7)), str(QWEN7), 8)[0] == "none"  # CPU
+    for choice, granularity in (("none", None), (None, None), ("selective", "selective"), ("full", "full")):
+        c = transformer_config(TINY_SPEC, 1, 1, recompute=choice)
+        assert c.recompute_granularity == granularity
+    assert transformer_config(TINY_SPEC, 1, 1, recompute="full").recompute_method == "uniform"

@@ -279,6 +279,9 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
     _check_engine(cfg, cuda)
+    _require(cuda or cfg.model.attention_backend != "te",
+             "model.attention_backend=te needs CUDA (transformer-engine's attention); on CPU set "
+             "model.attention_backend=auto or torch")
     _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
     _check_lengths(cfg, spec)

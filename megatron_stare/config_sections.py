@@ -61,6 +61,10 @@ class ModelConfig:
     """The embedding is padded to a multiple of this times tp, >= 1."""
     ref_path: Optional[str] = None
     """Reference model for the KL loss; null = the initial policy."""
+    attention_backend: Literal["auto", "te", "torch"] = "auto"
+    """The trainer's attention: 'auto' = transformer-engine on CUDA (a failed import is an error
+    naming it, not a silent switch), the torch attention on CPU; 'te' needs CUDA; 'torch': the
+    torch attention (``models/torch_attention.py``) everywhere."""
 
 
 @dataclass

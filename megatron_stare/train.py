@@ -91,7 +91,7 @@ class Trainer:
         self.rank = dist.get_rank()
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
-                                 temperature=cfg.rollout.temperature, dtype=dtype,
+                                 temperature=cfg.rollout.temperature, dtype=dtype, attention=m.attention_backend,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap,
                                  ratio_band=((cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high)

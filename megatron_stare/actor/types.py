@@ -32,6 +32,8 @@ class ActorSettings:
     """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
     ratio_band: Optional[Tuple[float, float]] = None
     """Off-policy ratio band (asynchronous training): tokens outside it leave the loss."""
+    attention: str = "auto"
+    """``model.attention_backend`` (``models.gpt.resolve_attention``)."""
 
 
 @dataclass

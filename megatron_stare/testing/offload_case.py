@@ -97,9 +97,13 @@ def run_offload_case(rank: int, world: int, tp: int, pp: int, *, level: str = "a
             expected = expected_offload_bytes(actor, level)
             gc.collect()
             before = live_tensor_bytes()
+            cuda_before = torch.cuda.memory_allocated() if groups.device.type == "cuda" else 0
             freed = off.offload()
+            cuda_after = torch.cuda.memory_allocated() if groups.device.type == "cuda" else 0
             gc.collect()
             after = live_tensor_bytes(exclude=[m.host for m in off.moves if m.host is not None])
+            out.update(cuda_drop=cuda_before - cuda_after,
+                       pinned=all(m.host.is_pinned() for m in off.moves if m.host is not None))
             sizes = {n: t.untyped_storage().nbytes() for n, t in _tracked(actor).items()}
             with off.resident(("params",)):  # the first sync's: the weights back, the rest stays out
                 during = {n: t.untyped_storage().nbytes() for n, t in _tracked(actor).items()}

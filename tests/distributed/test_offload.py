@@ -79,3 +79,15 @@ def test_step_after_offload_is_bit_exact(cases, name):
 def test_bad_level_is_one_line():
     with pytest.raises(ValueError, match="trainer.offload='gpu'"):
         Offloader(actor=None, level="gpu")
+
+
+def test_offload_needs_an_engine_between_the_trainers_phases():
+    from megatron_stare.config import ConfigError, load_config
+    from megatron_stare.config_checks import check_config
+
+    cfg = load_config(None, ["trainer.offload=all", "rollout.engine=vllm-server",
+                             "rollout.server_urls=[http://rollout:8000]"])
+    with pytest.raises(ConfigError, match="trainer.offload=all needs an engine on the trainer's GPUs") as e:
+        check_config(cfg, cuda=False, check_paths=False)
+    assert "\n" not in str(e.value) and "set trainer.offload=none" in str(e.value)
+    check_config(load_config(None, ["trainer.offload=optimizer", "rollout.engine=hf"]), cuda=False, check_paths=False)

@@ -70,6 +70,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
+from megatron_stare.plan_offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan_sync import SyncStaging, sync_staging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.phases import EngineMemory, Phase
@@ -146,7 +147,7 @@ class PlanLayout:
     """Flat bucket size of the weight push (``rollout.sync_bucket_mb``)."""
     staleness: int = 0
     """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
-    offload: "OffloadPlan" = None
+    offload: Optional[OffloadPlan] = None
     """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
     sync_staging: SyncStaging = field(default_factory=SyncStaging)
     """The sync's staging on a rank of the planned stage, bytes by part (``plan_sync.py``)."""
@@ -156,35 +157,6 @@ class PlanLayout:
     """The first weight sync (at start, after a resume): with ``trainer.offload=none`` the engine
     is awake (KV cache resident) and the trainer's state too, plus the staging, on the stage that
     needs most; with offload it runs in a trainer turn (the engine released): the sync column."""
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """The trainer's state off the GPU while the engine generates, and what the engine can do with
-    it: a memory fraction raised by the freed bytes, its KV pool and full-length sequences per
-    replica before and after (``offload.py``)."""
-
-    level: str
-    """``trainer.offload``; with 'none' the figures are those 'all' would give (a hint)."""
-    freed_gib: float
-    """Per GPU: the level's components (``OFFLOADED``) on the stage that frees least."""
-    utilization_before: float
-    utilization_after: float
-    """``rollout.gpu_memory_utilization`` + freed / GPU memory, rounded down to 0.01, at most 0.95."""
-    kv_before_gib: float
-    kv_after_gib: float
-    sequences_before: int
-    sequences_after: int
-    """Full-length sequences the KV pool of one replica holds at once."""
-
-    def line(self, sequences: int) -> str:
-        level = self.level if self.level != "none" else "none (with trainer.offload=all"
-        tail = ")" if self.level == "none" else ""
-        return (f"  offload  trainer.offload={level}: {self.freed_gib:.1f} GiB per GPU leave for pinned host memory "
-                f"while the engine generates; rollout.gpu_memory_utilization {self.utilization_before:g} -> "
-                f"{self.utilization_after:g} gives the engine KV {self.kv_before_gib:.1f} -> {self.kv_after_gib:.1f} "
-                f"GiB per GPU: {self.sequences_before} -> {self.sequences_after} full-length sequences per replica "
-                f"at once (of {sequences}){tail}")
 
 
 def _always(p: Phase) -> bool:
@@ -206,11 +178,6 @@ _COMPONENTS = (
     ("sync_bucket_gib", "weight-sync staging", lambda p: p.sync_bucket),
     ("runtime_gib", "runtime (context, NCCL, slack)", _always),
 )
-
-
-#: What each ``trainer.offload`` level moves off the GPU in the phases with ``trainer_offloaded``.
-OFFLOADED = {"none": (), "optimizer": ("main_grads_gib", "optimizer_gib"),
-             "all": ("weights_gib", "main_grads_gib", "optimizer_gib", "reference_gib")}
 
 
 def _resident(name: str, where, p: Phase, offload: str) -> bool:

@@ -267,13 +267,14 @@ class TrainerConfig:
     ratio_mask_high: float = num(2.0, ge=1, inf_ok=True)
     """Upper edge of the off-policy ratio band, >= 1 (inf disables); tokens above it are masked."""
     offload: Literal["none", "optimizer", "all"] = "none"
-    """The trainer's state off the GPU while a colocated engine (vllm, sglang) generates
+    """The trainer's state off the GPU while an engine on its GPUs (vllm, sglang, hf) generates
     (``offload.py``), moved after the weight sync and back before the log-prob pass.
     'optimizer': gradient buffers (dropped: 4 B/param), fp32 main params and Adam moments
     (copied: 12 B/param of a bf16 model, /dp*cp with the distributed optimizer); costs two
     host-device copies of the moved bytes per step and as much pinned host memory. 'all': also
-    the model's parameters (2 B/param bf16, copied both ways). A checkpoint save or resume and
-    the first sync bring the state back with the engine awake. 'none': everything resident."""
+    the model's parameters (2 B/param bf16, copied both ways). A checkpoint save or HF export, a
+    resume and the first sync run in a trainer turn (the engine released, the state back, one
+    extra weight sync each). 'none': everything resident (the default)."""
 
 
 @dataclass

@@ -202,6 +202,7 @@ def _check_schedule(cfg: Config) -> None:
                                      f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
     _check_staleness(cfg)
+    _check_offload(cfg)
     for name in ("save_every", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
@@ -239,6 +240,16 @@ def _warn_off_policy_deprecations(cfg: Config) -> None:
     for note in run_off_policy(cfg)[1]:
         # No source location: the line the user reads is the note itself, not a call site.
         warnings.warn_explicit(note, FutureWarning, filename="config", lineno=0)
+
+
+def _check_offload(cfg: Config) -> None:
+    """Offloading the trainer's state (``offload.py``) pays only while a colocated engine
+    generates on the same GPUs between the trainer's phases."""
+    t, r = cfg.trainer, cfg.rollout
+    between = COLOCATED_ENGINES + ("hf",)  # hf: in the driver's process, on its GPU
+    _require(t.offload == "none" or r.engine in between,
+             f"trainer.offload={t.offload} needs an engine on the trainer's GPUs that generates between "
+             f"its phases ({', '.join(between)}), but rollout.engine={r.engine}; set trainer.offload=none")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
@@ -295,6 +306,9 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
     _check_engine(cfg, cuda)
+    _require(cuda or cfg.model.attention_backend != "te",
+             "model.attention_backend=te needs CUDA (transformer-engine's attention); on CPU set "
+             "model.attention_backend=auto or torch")
     _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
     _check_cpu_attention(cfg, cuda, spec)

@@ -31,8 +31,13 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs tp > 1); lengths are padded to a multiple of tp."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks."""
-    recompute: Optional[Literal["full", "selective"]] = None
-    """Activation recompute granularity passed to megatron-core; null = none."""
+    recompute: Optional[Literal["auto", "full", "selective", "none"]] = None
+    """Activation recompute, passed to megatron-core's ``TransformerConfig``: 'full' re-runs every
+    layer's forward in backward (about 1/3 more update FLOPs, keeps only each layer's input),
+    'selective' only the attention core (no saving with flash attention, which keeps no
+    softmax), 'none'/null nothing. 'auto': the planner's choice (``plan.choose_recompute``): the
+    cheapest that fits the GPU (none, then selective, then full), said in one line at start
+    (on CPU: none)."""
     pack_sequences: bool = True
     """Pack each micro-batch's sequences end to end into one row (THD, no padding between them,
     per-sequence positions); false: one right-padded row per sequence."""
@@ -56,6 +61,10 @@ class ModelConfig:
     """The embedding is padded to a multiple of this times tp, >= 1."""
     ref_path: Optional[str] = None
     """Reference model for the KL loss; null = the initial policy."""
+    attention_backend: Literal["auto", "te", "torch"] = "auto"
+    """The trainer's attention: 'auto' = transformer-engine on CUDA (a failed import is an error
+    naming it, not a silent switch), the torch attention on CPU; 'te' needs CUDA; 'torch': the
+    torch attention (``models/torch_attention.py``) everywhere."""
 
 
 @dataclass
@@ -272,6 +281,15 @@ class TrainerConfig:
     ratio_mask_high: Optional[float] = num(None, ge=1, inf_ok=True)
     """Deprecated (``algorithm.off_policy.band_high``): upper edge of the band, >= 1 (inf
     disables); null = algorithm.off_policy.band_high."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """The trainer's state off the GPU while an engine on its GPUs (vllm, sglang, hf) generates
+    (``offload.py``), moved after the weight sync and back before the log-prob pass.
+    'optimizer': gradient buffers (dropped: 4 B/param), fp32 main params and Adam moments
+    (copied: 12 B/param of a bf16 model, /dp*cp with the distributed optimizer); costs two
+    host-device copies of the moved bytes per step and as much pinned host memory. 'all': also
+    the model's parameters (2 B/param bf16, copied both ways). A checkpoint save or HF export, a
+    resume and the first sync run in a trainer turn (the engine released, the state back, one
+    extra weight sync each). 'none': everything resident (the default)."""
 
 
 @dataclass

@@ -44,7 +44,11 @@ training loop runs: an engine on the trainer's GPUs holds its weights, KV cache 
 while awake (generate, gather, score, resume_kv), releases them for the trainer's turn (release,
 train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
 and its KV cache after it. The trainer keeps its weights, grads and optimizer state resident in
-every phase (this trainer does not offload); activations and logits live in ``train``, one
+every phase unless ``trainer.offload`` moves them (``offload.py``: 'optimizer' the grads and the
+optimizer state, 'all' also the weights and a reference model) from the ``offload`` phase to the
+``onload`` phase, i.e. while the engine generates; the ``offload`` line then says what the
+engine may take of it (its memory fraction raised by the freed bytes, the KV pool and the
+full-length sequences per replica before and after; with 'none' what 'all' would give). Activations and logits live in ``train``, one
 weight-sync bucket in ``sync``. Asynchronous (``trainer.staleness > 0``), an engine on the
 trainer's GPUs (a spawned ``vllm-server``) never releases: it generates the next batch while the
 trainer trains, so it counts as awake in every phase. The peak is the largest phase total, each phase
@@ -67,6 +71,8 @@ from megatron_stare.config import Config, ConfigError, load_config, validate_con
 from megatron_stare.preflight import DRY_RUN_SKIPPED
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
+from megatron_stare.plan_offload import OFFLOADED, OffloadPlan
+from megatron_stare.plan_sync import SyncStaging, sync_staging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.phases import EngineMemory, Phase
 from megatron_stare.rollout.spec import ENGINE_TRAITS
@@ -142,6 +148,16 @@ class PlanLayout:
     """Flat bucket size of the weight push (``rollout.sync_bucket_mb``)."""
     staleness: int = 0
     """``trainer.staleness``: batches generated ahead while a step trains (0: synchronous)."""
+    offload: Optional[OffloadPlan] = None
+    """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
+    sync_staging: SyncStaging = field(default_factory=SyncStaging)
+    """The sync's staging on a rank of the planned stage, bytes by part (``plan_sync.py``)."""
+    recompute_note: str = ""
+    """Why ``parallel.recompute=auto`` chose what it chose, or what it would choose instead of 'full'."""
+    first_sync_gib: float = 0.0
+    """The first weight sync (at start, after a resume): with ``trainer.offload=none`` the engine
+    is awake (KV cache resident) and the trainer's state too, plus the staging, on the stage that
+    needs most; with offload it runs in a trainer turn (the engine released): the sync column."""
 
 
 def _always(p: Phase) -> bool:
@@ -160,13 +176,19 @@ _COMPONENTS = (
     ("engine_kv_gib", "engine KV cache", lambda p: p.engine is EngineMemory.AWAKE),
     ("engine_workspace_gib", "engine workspace", lambda p: p.engine is EngineMemory.AWAKE),
     ("engine_asleep_gib", "engine while released", lambda p: p.engine is not EngineMemory.AWAKE),
-    ("sync_bucket_gib", "weight-sync bucket", lambda p: p.sync_bucket),
+    ("sync_bucket_gib", "weight-sync staging", lambda p: p.sync_bucket),
     ("runtime_gib", "runtime (context, NCCL, slack)", _always),
 )
 
 
-def _phase_totals(components: Dict[str, float], step: Tuple[Phase, ...] = STEP_PHASES) -> Dict[str, float]:
-    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if where(p)) for p in step}
+def _resident(name: str, where, p: Phase, offload: str) -> bool:
+    return where(p) and not (p.trainer_offloaded and name in OFFLOADED[offload])
+
+
+def _phase_totals(components: Dict[str, float], step: Tuple[Phase, ...] = STEP_PHASES,
+                  offload: str = "none") -> Dict[str, float]:
+    return {p.name: sum(components[name] for name, _, where in _COMPONENTS if _resident(name, where, p, offload))
+            for p in step}
 
 
 def _awake_throughout(step: Tuple[Phase, ...]) -> Tuple[Phase, ...]:
@@ -206,10 +228,13 @@ class MemoryPlan:
     assumptions: Assumptions = field(default_factory=Assumptions)
     step_phases: Tuple[Phase, ...] = STEP_PHASES
     """The phases with what each holds (asynchronous: the engine awake in all of them)."""
+    offload: str = "none"
+    """``trainer.offload``: what leaves the GPU from the offload phase to the onload phase."""
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""
-        return [(label, {p.name: getattr(self, name) if where(p) else 0.0 for p in self.step_phases})
+        return [(label, {p.name: getattr(self, name) if _resident(name, where, p, self.offload) else 0.0
+                         for p in self.step_phases})
                 for name, label, where in _COMPONENTS]
 
     def format(self) -> str:
@@ -262,6 +287,18 @@ class MemoryPlan:
         else:
             lines.append(f"  sync     per rank per weight sync: TP all-gather {L.sync_gathered_gib:.1f} GiB, "
                          f"receives {L.sync_received_gib:.1f} GiB (the whole model){kept}")
+        if L.sync_staging.total:
+            lines.append(f"  staging  per rank of stage {self.stage} during a sync ({L.sync_bucket_mb} MiB buckets): "
+                         f"{L.sync_staging.describe(GiB)} = {L.sync_staging.total / GiB:.2f} GiB")
+        if L.first_sync_gib:
+            how = ("with the engine awake (KV cache resident) and the trainer's state resident"
+                   if self.offload == "none" else "in a trainer turn (the engine released, only the weights back)")
+            lines.append(f"  first    the first sync (start, resume) runs {how}: {L.first_sync_gib:.1f} GiB of "
+                         f"{self.gpu_mem_gb:g} ({self.gpu_mem_gb - L.first_sync_gib:.1f} GiB headroom)")
+        if L.offload is not None:
+            lines.append(L.offload.line(L.sequences_per_instance))
+        if L.recompute_note:
+            lines.append(f"  recomp   {L.recompute_note}")
         lines += ["", f"Memory per GPU (GiB), pipeline stage {self.stage}:",
                   f"  {'component':<32}" + "".join(f"{q:>10}" for q in PHASES)]
         for label, per in self.rows():
@@ -276,7 +313,8 @@ class MemoryPlan:
         a = self.assumptions
         lines.append(f"Assumptions: {'flash' if a.flash_attention else 'unfused'} attention; logits "
                      f"chunk {a.logits_chunk}; runtime {a.runtime_gib:g} GiB + {a.fragmentation:.0%} "
-                     f"slack; trainer state resident during rollout; see megatron_stare/plan.py")
+                     f"slack; trainer state {'offloaded (' + self.offload + ')' if self.offload != 'none' else 'resident'} "
+                     f"during rollout; see megatron_stare/plan.py")
         return "\n".join(lines)
 
 
@@ -309,6 +347,28 @@ def _hint(label: str, cfg: Config, dp: int) -> str:
 
 
 def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
+                    assumptions: Assumptions = Assumptions()) -> MemoryPlan:
+    """The per-GPU memory plan of ``cfg`` on ``world_size`` GPUs of ``gpu_mem_gb`` GiB each.
+
+    ``cfg`` should have passed ``check_for_gpus``; the model shape comes from ``hf_config``.
+
+    ``parallel.recompute=auto`` plans with ``choose_recompute``'s choice and says why; with
+    'full', the plan says what auto would choose instead when that is cheaper.
+    """
+    r = cfg.parallel.recompute
+    if r not in ("auto", "full"):
+        return _estimate_memory(cfg, hf_config, world_size, gpu_mem_gb, assumptions)
+    choice, why = choose_recompute(cfg, hf_config, world_size, gpu_mem_gb, assumptions)
+    plan = _estimate_memory(_with_recompute(cfg, choice if r == "auto" else "full"), hf_config, world_size,
+                            gpu_mem_gb, assumptions)
+    if r == "auto":
+        plan.layout.recompute_note = why
+    elif choice != "full":
+        plan.layout.recompute_note = f"parallel.recompute=full; parallel.recompute=auto would choose: {why}"
+    return plan
+
+
+def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
                     assumptions: Assumptions = Assumptions()) -> MemoryPlan:
     """The per-GPU memory plan of ``cfg`` on ``world_size`` GPUs of ``gpu_mem_gb`` GiB each.
 
@@ -369,8 +429,14 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
     concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
 
     shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
-                  engine_asleep_gib=eng_sleep, sync_bucket_gib=r.sync_bucket_mb / 1024 if colocated else 0.0,
-                  runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+                  engine_asleep_gib=eng_sleep, runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+    # The sync's staging by rank role (plan_sync.py): the whole-tensor export to a colocated
+    # engine on every rank, else the piece export's collector.
+    staging = {i: sync_staging(stage=i, pp=pp, tp=tp, bucket=r.sync_bucket_mb * 2.0 ** 20, esize=wbytes,
+                               colocated=traits.colocated, hidden=h, ffn=spec.ffn_hidden_size,
+                               q_dim=spec.num_attention_heads * hd, kv_dim=kv_dim, vocab=spec.vocab_size,
+                               vocab_padded=vocab_p, tied=spec.tie_word_embeddings)
+               for i in sorted({0, pp - 1})}
     stages = {}
     for stage in sorted({0, pp - 1}):  # middle stages hold no more than either end
         n_params = _stage_params(counts, pp, tp, stage)
@@ -388,17 +454,19 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
             weights_gib=weights, main_grads_gib=n_params * 4 / GiB,
             optimizer_gib=n_params * opt_bytes / opt_shards / GiB,
             activations_gib=act / GiB, logits_gib=logits / GiB,
-            reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0, **shared)
+            reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0,
+            sync_bucket_gib=staging[stage].total / GiB, **shared)
     # Asynchronous, an engine on the trainer's GPUs (a spawned server) stays awake while it trains.
     step_phases = _awake_throughout(STEP_PHASES) if t.staleness > 0 and colocated else STEP_PHASES
-    stage = max(stages, key=lambda i: max(_phase_totals(stages[i], step_phases).values()))
+    off = t.offload
+    stage = max(stages, key=lambda i: max(_phase_totals(stages[i], step_phases, off).values()))
     # Data-parallel rollout (rollout/data_parallel.py): a colocated engine's TP groups are its
     # replicas, each generating its slice; a driver client is one (servers share its batch).
     replicas = world_size // etp if traits.colocated else 1
     # The TP all-gather of the export: (tp - 1) shards of each TP-split weight of the stage.
     gathered = max((tp - 1) * (_stage_params(counts, pp, tp, i) - _stage_params(counts, pp, 10 ** 9, i))
                    for i in stages) * wbytes
-    phases = _phase_totals(stages[stage], step_phases)
+    phases = _phase_totals(stages[stage], step_phases, off)
     peak_phase = max(PHASES, key=phases.get)
     layout = PlanLayout(
         world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=p.sequence_parallel,
@@ -411,10 +479,11 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
         sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
         sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0,
         attached_servers=0 if colocated else len(r.server_urls), sync_bucket_mb=r.sync_bucket_mb,
+        sync_staging=staging[stage],
         staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
-                      fits=True, assumptions=a, step_phases=step_phases, **stages[stage])
+                      fits=True, assumptions=a, step_phases=step_phases, offload=off, **stages[stage])
 
     if plan.peak_gib > gpu_mem_gb:
         label, per = max(plan.rows(), key=lambda row: row[1][plan.peak_phase])
@@ -431,8 +500,61 @@ def estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: f
                 f"{budget:.1f} GiB, which after its weights ({eng_w:.1f} GiB) and workspace holds "
                 f"less than one {max_seq}-token sequence's KV cache ({one_seq:.2f} GiB); raise "
                 f"rollout.gpu_memory_utilization or rollout.tp")
+    if colocated and r.engine != "hf":
+        layout.first_sync_gib = phases["sync"] if off != "none" else max(
+            _phase_totals(stages[i], step_phases)["generate"] + staging[i].total / GiB for i in stages)
+        if layout.first_sync_gib > gpu_mem_gb:
+            plan.reasons.append(
+                f"the first weight sync (at start and after a resume) runs with the engine's KV cache resident: "
+                f"{layout.first_sync_gib:.1f} GiB, more than the {gpu_mem_gb:g} GiB of a GPU; set trainer.offload="
+                f"optimizer or all (the sync then runs with the engine released), or lower "
+                f"rollout.gpu_memory_utilization or rollout.sync_bucket_mb")
+        level = off if off != "none" else "all"
+        freed = min(sum(st[k] for k in OFFLOADED[level]) for st in stages.values())
+        after = min(math.floor((r.gpu_memory_utilization + freed / gpu_mem_gb) * 100 + 1e-9) / 100, 0.95)
+        after = max(after, r.gpu_memory_utilization)
+        kv_after = max(after * gpu_mem_gb - eng_w - eng_ws, 0.0)
+        layout.offload = OffloadPlan(off, freed, r.gpu_memory_utilization, after, eng_kv, kv_after, concurrent,
+                                     int(kv_after * GiB // (max_seq * kv_per_token)))
     plan.fits = not plan.reasons
     return plan
+
+
+def _with_recompute(cfg: Config, choice: Optional[str]) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=choice))
+
+
+def choose_recompute(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: float,
+                     assumptions: Assumptions = Assumptions()) -> Tuple[str, str]:
+    """(recompute, why) for ``parallel.recompute=auto``: the cheapest of none, selective, full
+    whose plan fits (full when none does)."""
+    train = {}
+    for choice in ("none", "selective", "full"):
+        plan = _estimate_memory(_with_recompute(cfg, choice), hf_config, world_size, gpu_mem_gb, assumptions)
+        train[choice] = plan.phases["train"]
+        if plan.fits and choice != "full":
+            break
+    else:
+        return "full", (f"recompute auto -> full: the train phase needs {train['none']:.1f} GiB without "
+                        f"recompute ({train['selective']:.1f} selective): the plan does not fit {gpu_mem_gb:g} GiB "
+                        f"without full recompute ({train['full']:.1f} GiB with it)")
+    why = (f"recompute auto -> {choice}: the train phase fits with {'no' if choice == 'none' else 'selective'} "
+           f"recompute ({train[choice]:.1f} GiB of {gpu_mem_gb:g}, activations {plan.activations_gib:.1f} GiB); "
+           f"full recompute would re-run every layer's forward in backward (about 1/3 more update FLOPs)")
+    if choice == "selective":
+        why += f"; without any, the train phase needs {train['none']:.1f} GiB"
+    return choice, why
+
+
+def resolve_recompute(cfg: Config, hf_dir: str, world_size: int) -> Tuple[str, str]:
+    """The trainer's ``parallel.recompute=auto``: the planner's choice for this GPU's memory (on
+    CPU: none, there is no device memory to save)."""
+    import torch  # only the trainer's call needs it, not the dry run
+
+    if not torch.cuda.is_available():
+        return "none", "recompute auto -> none (CPU)"
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    return choose_recompute(cfg, load_hf_config(hf_dir), world_size, gpu)
 
 
 # ----------------------------------------------------------------------------- command line

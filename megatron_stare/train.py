@@ -12,11 +12,13 @@ planner's memory model reads too):
     3 score        each response scored once, scores shared     sharded over ranks; DAPO
                    (1-3 repeat while dynamic sampling wants more groups: the same on every rank)
     4 release      the engine frees its weights and KV cache    its supported sleep level
-    5 train        advantages -> log-prob pass -> STARE         Megatron actor, every rank
+    5 onload       the trainer's offloaded state comes back     trainer.offload (offload.py)
+    6 train        advantages -> log-prob pass -> STARE         Megatron actor, every rank
                    controller -> update
-    6 resume_w     the engine restores its weight memory
-    7 sync         Megatron shards -> HF buckets -> engine
-    8 resume_kv    the engine restores its KV cache
+    7 resume_w     the engine restores its weight memory
+    8 sync         Megatron shards -> HF buckets -> engine
+    9 offload      the trainer's state leaves the GPU           trainer.offload
+   10 resume_kv    the engine restores its KV cache
                    then metrics, eval, checkpoint
 
 With ``trainer.staleness = k > 0`` (a server engine: vllm-server, sglang-server) ``fit`` runs
@@ -47,10 +49,11 @@ import torch.distributed as dist
 
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
+from megatron_stare.offload import Offloader, first_sync, trainer_turn
 from megatron_stare.preemption import Preemption, exit_code, interrupted_again, write_status
 from megatron_stare.reaper import install as install_reaper
-from megatron_stare.rollout.phases import (GATHER, GENERATE, RELEASE, RESUME_KV, RESUME_WEIGHTS, SCORE, SYNC,
-                                           TRAIN, Phase)
+from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
+                                           SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 
 
@@ -78,6 +81,12 @@ class Trainer:
         hf_dir = self._hf_dir()
         self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if p.recompute == "auto":  # the planner's choice for this GPU (plan.py), said once
+            from megatron_stare.plan import resolve_recompute
+
+            p.recompute, why = resolve_recompute(cfg, hf_dir, world)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"[megatron-stare] {why}", flush=True)
         layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)
@@ -86,7 +95,7 @@ class Trainer:
         self.console = console_of(cfg, self.rank, console)  # what a person reads (console.py)
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
-                                 temperature=cfg.rollout.temperature, dtype=dtype,
+                                 temperature=cfg.rollout.temperature, dtype=dtype, attention=m.attention_backend,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, off_policy=run_off_policy(cfg)[0])
         ref_dir = m.ref_path or hf_dir
@@ -95,6 +104,8 @@ class Trainer:
         self.actor = MegatronActor(self.model_spec, self.groups, settings,
                                    lambda stage, g: load_hf_weights(stage, g, self.model_spec, hf_dir),
                                    load_ref_weights=load_ref)
+        self.offload = Offloader(self.actor, cfg.trainer.offload)  # off the GPU while the engine generates
+        self.offload.offload()  # before the engine starts: it sizes its memory from what is free
         self.controller = StareController(cfg.algorithm.stare)
         self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
         self.tokenizer = self._tokenizer(hf_dir)
@@ -111,7 +122,8 @@ class Trainer:
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
         self.start_step, self.skipped = 0, 0
         self.version, self.rollouts, self._saved_in_flight = 0, None, []
-        self._resume()
+        with trainer_turn(self):
+            self._resume()
         self.saved_step = self.start_step  # the state at start_step is on disk (or the initial one)
         self.logger = MetricsLogger(cfg.logging, self.rank, total_steps=cfg.trainer.total_steps,
                                     start_step=self.start_step + 1)  # steps are logged 1-based
@@ -122,7 +134,7 @@ class Trainer:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
         from megatron_stare.async_rollouts import AsyncRollouts
 
-        self.sync_weights()  # the engine serves exactly the trainer's (possibly resumed) weights
+        first_sync(self)  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
         # Every step goes through the rollout pipeline: with staleness 0 it runs ``step`` exactly.
         self.rollouts = AsyncRollouts(self, self._saved_in_flight)
@@ -153,6 +165,8 @@ class Trainer:
         with self.phase(RELEASE):
             if eng is not None:
                 eng.release_memory()                              # 4
+        with self.phase(ONLOAD):
+            self.offload.onload()
         train_start = time.perf_counter()
         with self.phase(TRAIN):
             result, stats, state, dynamics = self.train(samples, step)  # 5
@@ -165,6 +179,8 @@ class Trainer:
                 self.rollouts.drain()  # no request sees two weight versions
         with self.phase(SYNC):
             self.sync_weights()                                   # 7
+        with self.phase(OFFLOAD):
+            self.offload.offload()
         self.version = step + 1
         with self.phase(RESUME_KV):
             if eng is not None:
@@ -367,10 +383,11 @@ class Trainer:
         from megatron_stare.checkpoint import save_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        self.console.saved(save_checkpoint(
-            self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
-            trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
-            hf_config=load_hf_config(self._hf_dir()), hf_dir=self._hf_dir()))
+        with trainer_turn(self):
+            self.console.saved(save_checkpoint(
+                self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
+                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+                hf_config=load_hf_config(self._hf_dir()), hf_dir=self._hf_dir()))
         self.saved_step = step
 
     def _resume(self) -> None:
@@ -398,10 +415,11 @@ class Trainer:
         from megatron_stare.models.hf_export import write_hf_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
-        write_hf_checkpoint(self.actor.model, self.groups, self.model_spec,
-                            Path(self.cfg.checkpoint.dir) / f"hf_step_{step:08d}",
-                            hf_config=load_hf_config(self._hf_dir()), side_files_dir=self._hf_dir(),
-                            bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
+        with trainer_turn(self):
+            write_hf_checkpoint(self.actor.model, self.groups, self.model_spec,
+                                Path(self.cfg.checkpoint.dir) / f"hf_step_{step:08d}",
+                                hf_config=load_hf_config(self._hf_dir()), side_files_dir=self._hf_dir(),
+                                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=DRIVER)
 
     # ------------------------------------------------------------------ setup helpers
     def _hf_dir(self) -> str:

@@ -107,7 +107,7 @@ fi
 
 # 2. What it lacks and skips.
 for mod in vllm:"tests/gpu/test_vllm_gpu.py" sglang:"tests/gpu/test_sglang_gpu.py" \
-           transformer_engine:"the TE layer spec and test_te_attention_gpu.py (the local spec runs, torch attention)" \
+           transformer_engine:"the TE layer spec and test_te_attention_gpu.py (the tests choose the torch attention: model.attention_backend=torch)" \
            apex:"Apex fused kernels (torch's run instead)"; do
   name=${mod%%:*}; what=${mod#*:}
   if has "$name"; then say "$name: present"; else say "$name: not installed -> skipped: $what"; fi

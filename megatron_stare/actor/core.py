@@ -38,7 +38,7 @@ class MegatronActor:
 
         self.spec, self.groups, self.s = spec, groups, settings
         lay = groups.layout
-        stage, self.config = build_model_stage(spec, groups, dtype=settings.dtype,
+        stage, self.config = build_model_stage(spec, groups, dtype=settings.dtype, attention=settings.attention,
                                                recompute=settings.parallel.recompute)
         load_weights(stage, groups)
         self.loss_fn = build_policy_loss(settings.algorithm)
@@ -47,7 +47,7 @@ class MegatronActor:
                                        temperature=settings.temperature, chunk_size=settings.logprob_chunk)
         self.ref = None
         if load_ref_weights is not None:
-            self.ref, _ = build_model_stage(spec, groups, dtype=settings.dtype)
+            self.ref, _ = build_model_stage(spec, groups, dtype=settings.dtype, attention=settings.attention)
             load_ref_weights(self.ref, groups)
             self.ref.requires_grad_(False)
         if not trainable:

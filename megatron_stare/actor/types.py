@@ -32,6 +32,8 @@ class ActorSettings:
     off_policy: Optional[OffPolicyCorrection] = None
     """The off-policy correction on the engine's log-probs (``off_policy.resolve_off_policy`` of
     the run's config); None: ``algorithm``'s own (``algorithm.off_policy_correction``)."""
+    attention: str = "auto"
+    """``model.attention_backend`` (``models.gpt.resolve_attention``)."""
 
 
 @dataclass

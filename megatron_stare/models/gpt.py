@@ -54,13 +54,43 @@ class GPTSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
+def transformer_engine_error() -> Optional[str]:
+    """Why transformer-engine's PyTorch layers do not import here (one line), or None."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401 - optional GPU accelerator, imported to test it
+    except Exception as e:  # noqa: BLE001 - any failure is reported, never swallowed
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
+
+
 def have_transformer_engine() -> bool:
     """True when transformer-engine imports (an optional GPU accelerator, never required)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken TE install counts as absent
-        return False
-    return True
+    return transformer_engine_error() is None
+
+
+ATTENTION_BACKENDS = ("auto", "te", "torch")
+
+
+def resolve_attention(backend: str = "auto", cuda: Optional[bool] = None) -> str:
+    """``model.attention_backend`` -> the layer spec's attention, ``"te"`` or ``"torch"``.
+
+    'auto': transformer-engine on CUDA, the torch attention on CPU. On CUDA a transformer-engine
+    that fails to import is an error naming the import error, never a silent switch to the
+    torch attention (which must be chosen explicitly: 'torch')."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention_backend={backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if backend == "torch" or (backend == "auto" and not cuda):
+        return "torch"
+    if not cuda:
+        raise ValueError("model.attention_backend=te needs CUDA (transformer-engine's attention); "
+                         "on CPU set model.attention_backend=auto or torch")
+    err = transformer_engine_error()
+    if err is not None:
+        raise ValueError(f"model.attention_backend={backend} on CUDA means transformer-engine's attention, "
+                         f"but importing transformer_engine.pytorch failed ({err}); fix the install or set "
+                         f"model.attention_backend=torch")
+    return "te"
 
 
 def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: torch.dtype = torch.float32,
@@ -103,7 +133,8 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: t
         variable_seq_lengths=True,  # micro-batches of a token budget differ in length
         moe_token_dispatcher_type="alltoall",  # (only so Megatron accepts variable lengths)
     )
-    if recompute:
+    assert recompute != "auto", "parallel.recompute=auto is resolved before the model is built (plan.py)"
+    if recompute in ("full", "selective"):
         kwargs.update(recompute_granularity=recompute,
                       **({"recompute_method": "uniform", "recompute_num_layers": 1}
                          if recompute == "full" else {}))
@@ -116,8 +147,8 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
     """This rank's pipeline stage of the model (weights randomly initialised by Megatron).
 
     ``attention``: ``"te"`` (transformer-engine's spec), ``"torch"`` or ``"megatron"`` (the local
-    spec with that core attention, ``layer_specs.CORE_ATTENTION``); None: ``"te"`` where TE and
-    CUDA exist (or ``use_te``), else ``"torch"``.
+    spec with that core attention, ``layer_specs.CORE_ATTENTION``) or ``"auto"``
+    (``resolve_attention``); None: ``use_te`` when given, else ``"auto"``.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -125,9 +156,9 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
     from megatron_stare.models.layer_specs import local_block_spec
 
     if attention is None:
-        if use_te is None:
-            use_te = have_transformer_engine() and torch.cuda.is_available()
-        attention = "te" if use_te else "torch"
+        attention = ("te" if use_te else "torch") if use_te is not None else "auto"
+    if attention == "auto":
+        attention = resolve_attention("auto")
     # The local spec's norms are ours (layer_specs.TorchNorm): they support sequence parallel.
     layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
                   if attention == "te" else local_block_spec(config, spec.qk_layernorm, attention=attention))

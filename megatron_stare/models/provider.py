@@ -63,8 +63,8 @@ def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dty
     """(this rank's GPTModel stage, its TransformerConfig) at ``groups.layout``.
 
     Weights are Megatron's random init; load them with ``load_hf_weights`` or a distributed
-    checkpoint. ``use_te``/``attention``: see ``gpt.build_gpt_stage`` (transformer-engine's
-    layer spec when TE and CUDA exist, else the local spec with the torch attention).
+    checkpoint. ``use_te``/``attention``: see ``gpt.build_gpt_stage`` (``model.attention_backend``:
+    transformer-engine's layer spec on CUDA, the local spec with the torch attention on CPU).
     """
     lay = groups.layout
     lay.validate(shape=model_shape(spec))

@@ -30,8 +30,12 @@ blocks use the fused kernel's own backward; masked blocks recompute theirs block
 (``_MaskedBlocks``), so activations stay ``O(t)``.
 
 Grouped-query attention (``ng < np``): query head ``h`` uses key/value head ``h // (np/ng)``,
-as ``repeat_interleave`` in megatron-core (``enable_gqa``). The fused kernels keep the softmax
-in fp32 for 16-bit inputs. Attention dropout must be 0.
+as ``repeat_interleave`` in megatron-core (``enable_gqa``). On CUDA, SDPA's flash kernel takes
+no mask and its memory-efficient kernel no ``enable_gqa``, so a masked (or fp32) GQA block would
+run on the math kernel (the ``[nq, nk]`` scores in memory): there the K/V heads are expanded
+first (``_kv_for_sdpa``) and the memory-efficient kernel takes the mask; 16-bit causal blocks
+keep ``enable_gqa`` (flash). The fused kernels keep the softmax in fp32 for 16-bit inputs.
+Attention dropout must be 0.
 """
 
 from __future__ import annotations
@@ -205,6 +209,19 @@ def _cached_plan(layout: SegmentLayout, heads: int, block_elements: int, device:
     return plan_blocks(layout, heads, block_elements, device)
 
 
+def _kv_for_sdpa(qh: Tensor, kh: Tensor, vh: Tensor, masked: bool, cuda: Optional[bool] = None
+                 ) -> Tuple[Tensor, Tensor, bool]:
+    """(k, v, enable_gqa) for SDPA on heads-second ``[.., heads, len, hn]`` tensors. On CUDA a
+    GQA call with a mask, or in fp32, has no fused kernel with ``enable_gqa``: expand the K/V
+    heads (``repeat_interleave``, megatron-core's order) so the memory-efficient kernel runs."""
+    rep = qh.shape[1] // kh.shape[1]
+    if rep == 1:
+        return kh, vh, False
+    if (qh.is_cuda if cuda is None else cuda) and (masked or qh.dtype == torch.float32):
+        return kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1), False
+    return kh, vh, True
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, b: Block, plan: BlockPlan, scale: float) -> Tensor:
     """One block: ``q`` ``[nq, np, hn]``, ``k``/``v`` ``[nk, ng, hn]`` -> ``[nq, np, hn]``.
 
@@ -212,7 +229,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, b: Block, plan: BlockPlan, scale: f
     for 16-bit inputs and never stores the ``[nq, nk]`` probabilities.
     """
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    kw = dict(scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    kh, vh, gqa = _kv_for_sdpa(qh, kh, vh, masked=not b.causal)
+    kw = dict(scale=scale, enable_gqa=gqa)
     if b.causal:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kw)
     else:
@@ -404,8 +422,9 @@ class TorchDotProductAttention(MegatronModule):
         s, b = query.shape[:2]
         if self.cp == 1:  # whole rows: one causal call of torch's fused attention for all of them
             qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            kh, vh, gqa = _kv_for_sdpa(qh, kh, vh, masked=False)
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=query.shape[2] != key.shape[2])
+                                                 enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         layout = SegmentLayout.rows(b, s, self.cp, self.cp_rank)
         flat = lambda x: x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])  # noqa: E731

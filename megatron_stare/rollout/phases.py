@@ -9,10 +9,15 @@ more prompt groups), and ``plan.py`` takes each phase's resident memory from the
 3. ``score``      each response is scored once, on one rank, and the scores are shared, so
                   every rank makes the same dynamic-sampling decision;
 4. ``release``    the engine releases its weights and KV cache at the level it supports;
-5. ``train``      log-prob pass, controller, update;
-6. ``resume_w``   the engine restores its weight memory;
-7. ``sync``       the trainer's weights stream into the engine;
-8. ``resume_kv``  the engine restores its KV cache (sized from what the weights leave).
+5. ``onload``     the trainer's offloaded state comes back (``trainer.offload``; else nothing);
+6. ``train``      log-prob pass, controller, update;
+7. ``resume_w``   the engine restores its weight memory;
+8. ``sync``       the trainer's weights stream into the engine;
+9. ``offload``    the trainer's state leaves the GPU (``offload.py``; else nothing);
+10. ``resume_kv`` the engine restores its KV cache (sized from what the weights leave).
+
+``Phase.trainer_offloaded``: the phases in which the offloaded state is off the GPU (from the
+offload to the onload, the first step's included: the trainer offloads before the engine starts).
 
 ``EngineMemory`` names what a colocated engine holds in a phase. An engine that cannot
 release (vLLM-CPU, the hf engine on CPU) keeps everything in every phase, and says so.
@@ -24,8 +29,8 @@ import enum
 from dataclasses import dataclass
 from typing import Tuple
 
-__all__ = ["EngineMemory", "PHASES", "Phase", "GENERATE", "GATHER", "SCORE", "RELEASE", "TRAIN",
-           "RESUME_WEIGHTS", "SYNC", "RESUME_KV"]
+__all__ = ["EngineMemory", "PHASES", "Phase", "GENERATE", "GATHER", "SCORE", "RELEASE", "ONLOAD", "TRAIN",
+           "RESUME_WEIGHTS", "SYNC", "OFFLOAD", "RESUME_KV"]
 
 
 class EngineMemory(enum.Enum):
@@ -47,16 +52,22 @@ class Phase:
     """Activations and logits of the log-prob pass and update are alive."""
     sync_bucket: bool = False
     """One weight-sync bucket is in flight."""
+    trainer_offloaded: bool = False
+    """The state ``trainer.offload`` moves is off the GPU (with ``trainer.offload=none``: resident)."""
 
 
-GENERATE = Phase("generate", "the engine generates n responses per prompt", EngineMemory.AWAKE)
-GATHER = Phase("gather", "every rank receives the same samples", EngineMemory.AWAKE)
-SCORE = Phase("score", "each response scored once, scores shared by every rank", EngineMemory.AWAKE)
-RELEASE = Phase("release", "the engine releases its weights and KV cache", EngineMemory.RELEASED)
+_OFF = dict(trainer_offloaded=True)
+GENERATE = Phase("generate", "the engine generates n responses per prompt", EngineMemory.AWAKE, **_OFF)
+GATHER = Phase("gather", "every rank receives the same samples", EngineMemory.AWAKE, **_OFF)
+SCORE = Phase("score", "each response scored once, scores shared by every rank", EngineMemory.AWAKE, **_OFF)
+RELEASE = Phase("release", "the engine releases its weights and KV cache", EngineMemory.RELEASED, **_OFF)
+ONLOAD = Phase("onload", "the trainer's offloaded state comes back", EngineMemory.RELEASED)
 TRAIN = Phase("train", "log-prob pass, controller, update", EngineMemory.RELEASED, trainer_work=True)
 RESUME_WEIGHTS = Phase("resume_w", "the engine restores its weight memory", EngineMemory.WEIGHTS)
 SYNC = Phase("sync", "the trainer's weights stream into the engine", EngineMemory.WEIGHTS, sync_bucket=True)
-RESUME_KV = Phase("resume_kv", "the engine restores its KV cache", EngineMemory.AWAKE)
+OFFLOAD = Phase("offload", "the trainer's state leaves the GPU", EngineMemory.WEIGHTS)
+RESUME_KV = Phase("resume_kv", "the engine restores its KV cache", EngineMemory.AWAKE, **_OFF)
 
-PHASES: Tuple[Phase, ...] = (GENERATE, GATHER, SCORE, RELEASE, TRAIN, RESUME_WEIGHTS, SYNC, RESUME_KV)
+PHASES: Tuple[Phase, ...] = (GENERATE, GATHER, SCORE, RELEASE, ONLOAD, TRAIN, RESUME_WEIGHTS, SYNC, OFFLOAD,
+                             RESUME_KV)
 """The step's phases in the order the loop runs them."""

@@ -21,6 +21,7 @@ from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config import OptimizerConfig, ParallelConfig
+from megatron_stare.models.gpt import transformer_engine_error
 from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ParallelLayout, init_distributed
 from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
@@ -77,7 +78,9 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                                                      sequence_parallel=lay.sequence_parallel,
                                                      distributed_optimizer=lay.distributed_optimizer),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
-                             dtype=dtype, max_rows_per_micro_batch=max_rows)
+                             dtype=dtype, max_rows_per_micro_batch=max_rows,
+                             # The tests' explicit choice where transformer-engine is absent (no fallback).
+                             attention="auto" if transformer_engine_error() is None else "torch")
 
     def loader(seed):
         return lambda stage, g: load_canonical(stage, lambda n, s: seeded_canonical(n, s, seed).to(dtype),

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ENGINE_CALLS = ("generate", "release_memory", "resume_weights", "update_weights_from_buckets", "resume_kv_cache")
-AFTER_ROLLOUT = ["release", "train", "resume_w", "sync", "resume_kv"]
+AFTER_ROLLOUT = ["release", "onload", "train", "resume_w", "sync", "offload", "resume_kv"]
 
 
 def _overrides(assets: Path, engine: str):

@@ -12,6 +12,8 @@ import torch
 
 from megatron_stare.metrics import read_metrics
 
+from megatron_stare.models.gpt import transformer_engine_error
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -24,7 +26,9 @@ def _train(assets, run_dir, *overrides):
            "parallel.tp=1", "parallel.distributed_optimizer=true", "model.dtype=bfloat16",
            "checkpoint.save_every=1", "trainer.prompts_per_step=4", "rollout.n=4",
            "rollout.max_new_tokens=8", "algorithm.stare.target_entropy=10.0", "logging.tensorboard=false",
-           "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3", *overrides]
+           "reward.fn=megatron_stare.testing.rewards:parity_reward", "optimizer.lr=1e-3",
+           # Without transformer-engine the torch attention must be chosen explicitly (no fallback).
+           f"model.attention_backend={'auto' if transformer_engine_error() is None else 'torch'}", *overrides]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "4"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

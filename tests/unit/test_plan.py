@@ -172,7 +172,7 @@ def test_plan_phases_are_the_training_loops():
     from megatron_stare.rollout.phases import PHASES as STEP
 
     assert PHASES == tuple(p.name for p in STEP) == (
-        "generate", "gather", "score", "release", "train", "resume_w", "sync", "resume_kv")
+        "generate", "gather", "score", "release", "onload", "train", "resume_w", "sync", "offload", "resume_kv")
     p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
     ph = p.phases
     awake = p.engine_weights_gib + p.engine_kv_gib + p.engine_workspace_gib
@@ -181,5 +181,116 @@ def test_plan_phases_are_the_training_loops():
     assert ph["train"] == pytest.approx(ph["release"] + p.activations_gib + p.logits_gib)
     assert ph["resume_w"] == pytest.approx(ph["release"] + p.engine_weights_gib)
     assert ph["sync"] == pytest.approx(ph["resume_w"] + p.sync_bucket_gib)
+    # Without trainer.offload the onload and offload phases hold what their neighbours hold.
+    assert ph["onload"] == ph["release"] and ph["offload"] == ph["resume_w"]
     header = next(ln for ln in p.format().splitlines() if ln.strip().startswith("component"))
     assert header.split()[1:] == list(PHASES)
+
+
+def test_offload_line_32b_and_7b_by_hand():
+    """What ``trainer.offload`` frees per GPU and the KV pool the engine gets from it, by hand:
+    per TP rank of the stage that frees least, bf16 weights 2 B + fp32 grads 4 B + (master,
+    m, v) 12 B / (dp*cp) per parameter ('optimizer': without the 2 B); the engine's fraction
+    grows by freed / 80 GiB (rounded down to 0.01), its KV pool by the same bytes."""
+    import math
+
+    def rank_params(h, heads, kv, ffn, layers, vocab_padded, tp, embeddings, final_norm):
+        hd = h // heads
+        att = (h * h + h) + 2 * (h * kv * hd + kv * hd) + h * h
+        split = layers * (att + 3 * h * ffn) + embeddings * vocab_padded * h
+        return split / tp + layers * 2 * h + (h if final_norm else 0)
+
+    # 32B: TP8 PP2 CP2 DP1, 32 layers a stage; vocab 152064 padded to a multiple of 128*8 = 152576.
+    # Stage 0 (embedding, no final norm) frees least; optimizer shards over dp*cp = 2.
+    n0 = rank_params(5120, 40, 8, 27648, 32, 152576, 8, embeddings=1, final_norm=False)
+    for level, per_param in (("all", 2 + 4 + 12 / 2), ("optimizer", 4 + 12 / 2)):
+        p = estimate_memory(load_config(str(YAML32), [f"trainer.offload={level}"]),
+                            json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+        o = p.layout.offload
+        assert o.level == level and o.freed_gib == pytest.approx(n0 * per_param / GiB)
+        assert o.utilization_before == 0.55
+        assert o.utilization_after == math.floor((0.55 + n0 * per_param / GiB / 80) * 100) / 100
+        kv_token = 2 * 64 * 1 * 128 * 2  # K and V, 64 layers, 8 KV heads / engine TP 8, head dim 128, bf16
+        kv_after = o.utilization_after * 80 - p.engine_weights_gib - 2.0  # 2 GiB engine workspace
+        assert o.kv_after_gib == pytest.approx(kv_after)
+        assert o.sequences_after == int(kv_after * GiB // (22528 * kv_token)) > o.sequences_before == 49
+        assert f"{o.sequences_before} -> {o.sequences_after} full-length sequences per replica" in p.format()
+    assert (o.utilization_after, o.sequences_after) == (0.78, 76)  # 'optimizer': 19.1 GiB
+    # The offloaded rows are gone from the generate column (all: 22.9 GiB of the stage's state).
+    p = estimate_memory(load_config(str(YAML32), ["trainer.offload=all"]), json.loads(QWEN32.read_text()), 32, 80)
+    plain = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), 32, 80)
+    assert plain.layout.offload.level == "none" and "with trainer.offload=all" in plain.format()
+    assert p.phases["generate"] == pytest.approx(plain.phases["generate"] - (
+        plain.weights_gib + plain.main_grads_gib + plain.optimizer_gib))
+    assert p.phases["train"] >= plain.phases["train"] - 1.0  # the train phase keeps everything
+    # 7B: TP2 DP4, one stage with both embeddings and the final norm; vocab 152064 (a multiple
+    # of 128*2); optimizer shards over dp = 4.
+    n = rank_params(3584, 28, 4, 18944, 28, 152064, 2, embeddings=2, final_norm=True)
+    p7 = estimate_memory(load_config(str(YAML7), ["trainer.offload=all"]), json.loads(QWEN7.read_text()), 8, 80)
+    o7 = p7.layout.offload
+    assert o7.freed_gib == pytest.approx(n * (2 + 4 + 12 / 4) / GiB)
+    assert o7.utilization_after == math.floor((0.45 + n * 9 / GiB / 80) * 100) / 100 == 0.84
+    assert o7.sequences_before == 246 >= 128  # the 7B pool already holds a replica's whole batch
+
+
+def test_sync_staging_by_role_and_first_sync_by_hand():
+    """The sync's staging (plan_sync.py) on the planned stage, by hand from what the export
+    allocates: the TP-gather scratch (the stage's largest full tensor), the concatenation
+    scratch (the GLU fc1, full), two own staging slots (a bucket and the largest HF tensor when
+    it exceeds one) and, with PP, two slots for the other stages' buckets; the first sync adds
+    it to the generate column (engine awake, trainer state resident)."""
+    B32, B7 = 1024 * 2**20, 512 * 2**20
+    # 32B last stage, TP8 PP2, bf16: the padded output layer 152576 x 5120; fc1 2 x 27648 x 5120;
+    # the HF lm_head / embed_tokens 152064 x 5120 (1.45 GiB) exceed a 1 GiB bucket.
+    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    st = p.layout.sync_staging
+    hf_vocab = 152064 * 5120 * 2
+    assert (st.gather, st.join) == (152576 * 5120 * 2, 2 * 27648 * 5120 * 2)
+    assert st.own == st.received == B32 + hf_vocab
+    assert p.sync_bucket_gib == pytest.approx(st.total / GiB) and 6.5 < st.total / GiB < 7.5
+    assert p.layout.first_sync_gib == pytest.approx(p.phases["generate"] + st.total / GiB)
+    assert p.fits and p.layout.first_sync_gib > p.peak_gib  # 79.3 of 80 GiB: the tightest moment
+    assert "the first sync (start, resume) runs with the engine awake" in p.format()
+    # A larger bucket makes the first sync the reason it does not fit; offload runs it released.
+    big = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048"]),
+                          json.loads(QWEN32.read_text()), 32, 80)
+    assert not big.fits and "the first weight sync" in big.reasons[0] and "trainer.offload" in big.reasons[0]
+    off = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048", "trainer.offload=all"]),
+                          json.loads(QWEN32.read_text()), 32, 80)
+    assert off.fits and off.layout.first_sync_gib == off.phases["sync"]
+    # 7B, TP2 PP1, 512 MiB buckets: vocab 152064 is already a multiple of 256; no other stage.
+    p7 = estimate_memory(load_config(str(YAML7)), json.loads(QWEN7.read_text()), 8, 80)
+    st7 = p7.layout.sync_staging
+    assert (st7.gather, st7.join, st7.received) == (152064 * 3584 * 2, 2 * 18944 * 3584 * 2, 0.0)
+    assert st7.own == B7 + 152064 * 3584 * 2
+    # The piece export (an engine behind a process group): the collector's two buckets.
+    srv = estimate_memory(load_config(str(YAML7), ["rollout.engine=vllm-server"]), json.loads(QWEN7.read_text()), 8, 80)
+    assert srv.layout.sync_staging.total == 2 * B7
+
+
+def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
+    """``parallel.recompute=auto``: none when the plan fits without recompute (the 32B recipe's
+    train phase: 41.4 GiB of 80 with 11.1 GiB of activations), full when only full fits (the 7B
+    recipe on 72 GiB GPUs); the plan says why, and with 'full' what auto would choose. The
+    choice reaches megatron-core's TransformerConfig; on CPU auto is none."""
+    from megatron_stare.models.gpt import transformer_config
+    from megatron_stare.plan import choose_recompute, resolve_recompute
+    from megatron_stare.testing.megatron_tiny import TINY_SPEC
+
+    hf32, hf7 = json.loads(QWEN32.read_text()), json.loads(QWEN7.read_text())
+    auto = estimate_memory(load_config(str(YAML32), ["parallel.recompute=auto"]), hf32, 32, 80)
+    none = estimate_memory(load_config(str(YAML32), ["parallel.recompute=none"]), hf32, 32, 80)
+    assert auto.layout.recompute == "none" and auto.phases == none.phases
+    assert "recompute auto -> none: the train phase fits with no recompute (41.4 GiB of 80" in auto.format()
+    full = estimate_memory(load_config(str(YAML32)), hf32, 32, 80)
+    assert full.layout.recompute == "full" and "auto would choose: recompute auto -> none" in full.format()
+    assert full.phases["train"] < none.phases["train"] - 10  # what full recompute saves, unneeded here
+    choice, why = choose_recompute(load_config(str(YAML7)), hf7, 8, 72)
+    assert choice == "full" and "without recompute" in why
+    assert estimate_memory(load_config(str(YAML7), ["parallel.recompute=auto"]), hf7, 8, 72).layout.recompute == "full"
+    assert choose_recompute(load_config(str(YAML7)), hf7, 8, 80)[0] == "none"  # 78.8 GiB of 80
+    assert resolve_recompute(load_config(str(YAML7)), str(QWEN7), 8)[0] == "none"  # CPU
+    for choice, granularity in (("none", None), (None, None), ("selective", "selective"), ("full", "full")):
+        c = transformer_config(TINY_SPEC, 1, 1, recompute=choice)
+        assert c.recompute_granularity == granularity
+    assert transformer_config(TINY_SPEC, 1, 1, recompute="full").recompute_method == "uniform"

@@ -40,6 +40,12 @@ class ParallelConfig:
     """Token budget of one micro-batch (dynamic batch size), >= 1 and at least one max-length
     sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it
     (real tokens when packed; rows x longest when padded)."""
+    ep: int = num(1, ge=1)
+    """Expert-parallel degree of a mixture-of-experts model, >= 1; must divide the expert count,
+    and etp * ep * pp must divide the world size (megatron-core's expert grid; EP may span TP ranks)."""
+    etp: int = num(1, ge=1)
+    """Expert-tensor-parallel degree, >= 1: each expert's weights split over etp ranks (1 = experts
+    are not split by TP, whatever tp is); must divide the expert width."""
 
 
 @dataclass
@@ -56,6 +62,11 @@ class ModelConfig:
     """The embedding is padded to a multiple of this times tp, >= 1."""
     ref_path: Optional[str] = None
     """Reference model for the KL loss; null = the initial policy."""
+    moe_aux_loss_coeff: float = num(0.0, ge=0.0)
+    """Mixture of experts: coefficient of the router's load-balancing loss (megatron's per
+    micro-batch ``aux_loss``), >= 0; 0 = off (RL fine-tuning, as peers do). Logged as moe/aux_loss."""
+    moe_z_loss_coeff: float = num(0.0, ge=0.0)
+    """Mixture of experts: coefficient of the router's z-loss, >= 0; 0 = off. Logged as moe/z_loss."""
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Trainer:
         hf_dir = self._hf_dir()
         self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
+        layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)
         self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.model_spec))
@@ -85,6 +85,7 @@ class Trainer:
                                  temperature=cfg.rollout.temperature, dtype=dtype,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, tis_cap=cfg.algorithm.tis_cap,
+                                 moe_router_losses=(m.moe_aux_loss_coeff, m.moe_z_loss_coeff),
                                  ratio_band=((cfg.trainer.ratio_mask_low, cfg.trainer.ratio_mask_high)
                                              if cfg.trainer.staleness > 0 else None))
         ref_dir = m.ref_path or hf_dir

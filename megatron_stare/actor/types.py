@@ -32,6 +32,8 @@ class ActorSettings:
     """Truncated importance sampling: weight each token by min(exp(old - engine), cap)."""
     ratio_band: Optional[Tuple[float, float]] = None
     """Off-policy ratio band (asynchronous training): tokens outside it leave the loss."""
+    moe_router_losses: Tuple[float, float] = (0.0, 0.0)
+    """Mixture of experts: (load-balancing loss, z-loss) coefficients of the router; 0 = off."""
 
 
 @dataclass

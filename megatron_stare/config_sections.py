@@ -45,6 +45,12 @@ class ParallelConfig:
     """Token budget of one micro-batch (dynamic batch size), >= 1 and at least one max-length
     sequence (data.max_prompt_length + rollout.max_new_tokens): sequences are packed up to it
     (real tokens when packed; rows x longest when padded)."""
+    ep: int = num(1, ge=1)
+    """Expert-parallel degree of a mixture-of-experts model, >= 1; must divide the expert count,
+    and etp * ep * pp must divide the world size (megatron-core's expert grid; EP may span TP ranks)."""
+    etp: int = num(1, ge=1)
+    """Expert-tensor-parallel degree, >= 1: each expert's weights split over etp ranks (1 = experts
+    are not split by TP, whatever tp is); must divide the expert width."""
 
 
 @dataclass
@@ -65,6 +71,11 @@ class ModelConfig:
     """The trainer's attention: 'auto' = transformer-engine on CUDA (a failed import is an error
     naming it, not a silent switch), the torch attention on CPU; 'te' needs CUDA; 'torch': the
     torch attention (``models/torch_attention.py``) everywhere."""
+    moe_aux_loss_coeff: float = num(0.0, ge=0.0)
+    """Mixture of experts: coefficient of the router's load-balancing loss (megatron's per
+    micro-batch ``aux_loss``), >= 0; 0 = off (RL fine-tuning, as peers do). Logged as moe/aux_loss."""
+    moe_z_loss_coeff: float = num(0.0, ge=0.0)
+    """Mixture of experts: coefficient of the router's z-loss, >= 0; 0 = off. Logged as moe/z_loss."""
 
 
 @dataclass

@@ -8,6 +8,9 @@ groups math code receives explicitly (``tp_group=``, ``dp_group=``): nothing bel
 reaches into Megatron's module globals.
 
 Rank order follows Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are adjacent, PP is outermost.
+Experts (mixture of experts) have their own grid over the same ranks, megatron-core's
+``etp-ep-edp-pp``: expert-tensor (etp) x expert (ep) x pipeline degrees divide the world size
+and the rest is expert-data parallel (edp); EP may span TP ranks (EP2 x TP2 on 4 ranks).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     hidden_size: int = 0
+    num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+    moe_ffn_hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class ParallelLayout:
     ``distributed_optimizer`` and context parallel (``cp``; transformer-engine's attention on
     CUDA, ``models/torch_attention.py`` elsewhere) run on CUDA and, through ``compat/cpu.py``,
     on CPU gloo ranks.
+
+    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel degrees of a mixture-of-experts
+    model (default 1 and 1: experts are not split by TP; megatron-core itself would default etp
+    to tp). They do not enter ``world_size``: ``etp * ep * pp`` must divide it.
     """
 
     tp: int = 1
@@ -54,6 +63,13 @@ class ParallelLayout:
     cp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the ranks holding the same experts."""
+        return self.world_size // (self.etp * self.ep * self.pp)
 
     @property
     def world_size(self) -> int:
@@ -75,7 +91,7 @@ class ParallelLayout:
 
     def validate(self, world_size: Optional[int] = None, shape: Optional[ModelShape] = None) -> "ParallelLayout":
         """Raise ``LayoutError`` (one line naming the field and the fix) if this layout can't run."""
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "etp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"parallel.{name} must be an integer >= 1, got {v!r}")
@@ -104,7 +120,34 @@ class ParallelLayout:
                 raise LayoutError(f"parallel.pp={self.pp} exceeds the {shape.num_layers} layers")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel.sequence_parallel needs parallel.tp > 1")
+        self._validate_experts(shape)
         return self
+
+    def _validate_experts(self, shape: Optional[ModelShape]) -> None:
+        """megatron-core's rule for the expert grid (``parallel_state.initialize_model_parallel``)
+        and what its MoE layer refuses, as ``LayoutError`` lines before any group exists."""
+        ept = self.etp * self.ep * self.pp
+        if self.world_size % ept:
+            raise LayoutError(
+                f"parallel.etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = {ept} does not divide the world "
+                f"size {self.world_size}; choose ep/etp so that their product with pp divides it"
+            )
+        if shape is None:
+            return
+        if not shape.num_experts:
+            if self.ep > 1 or self.etp > 1:
+                raise LayoutError(f"parallel.ep={self.ep}/etp={self.etp} need a mixture-of-experts model; "
+                                  f"this one is dense: set both to 1")
+            return
+        if shape.num_experts % self.ep:
+            raise LayoutError(f"parallel.ep={self.ep} does not divide the {shape.num_experts} experts; "
+                              f"choose ep among the divisors of the expert count")
+        if shape.moe_ffn_hidden_size and shape.moe_ffn_hidden_size % self.etp:
+            raise LayoutError(f"parallel.etp={self.etp} does not divide the expert width "
+                              f"{shape.moe_ffn_hidden_size}; choose etp dividing it")
+        if self.tp > 1 and not self.sequence_parallel:
+            raise LayoutError("a mixture-of-experts model at parallel.tp > 1 needs "
+                              "parallel.sequence_parallel: true (megatron-core's MoE layer refuses to train without it)")
 
 
 @dataclass
@@ -128,6 +171,11 @@ class ParallelGroups:
     dp_cp_group: Optional[dist.ProcessGroup]
     mp_group: Optional[dist.ProcessGroup]
     device: torch.device
+    ep_rank: int = 0
+    etp_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
+    etp_group: Optional[dist.ProcessGroup] = None
+    edp_group: Optional[dist.ProcessGroup] = None  # ranks holding the same experts
 
     @property
     def is_first_stage(self) -> bool:
@@ -195,6 +243,8 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -212,6 +262,11 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         mp_group=ps.get_model_parallel_group(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
     )
 
 

@@ -68,6 +68,7 @@ class Trainer:
         from megatron_stare.metrics import MetricsLogger, Timer
         from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
         from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.plan import resolve_recompute
 
         from megatron_stare.rewards import check_reward_config
 
@@ -81,23 +82,21 @@ class Trainer:
         hf_dir = self._hf_dir()
         self.model_spec = spec_from_hf_config(hf_dir, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if p.recompute == "auto":  # the planner's choice for this GPU (plan.py), said once
-            from megatron_stare.plan import resolve_recompute
-
-            p.recompute, why = resolve_recompute(cfg, hf_dir, world)
-            if os.environ.get("RANK", "0") == "0":
-                print(f"[megatron-stare] {why}", flush=True)
-        layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp,
+        layout = ParallelLayout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
                                            sequence_parallel=p.sequence_parallel,
                                            distributed_optimizer=p.distributed_optimizer)
         self.groups = init_distributed(layout, seed=cfg.trainer.seed, shape=model_shape(self.model_spec))
         self.rank = dist.get_rank()
         self.console = console_of(cfg, self.rank, console)  # what a person reads (console.py)
+        if p.recompute == "auto":  # the planner's choice for this GPU (plan.py), said once
+            p.recompute, why = resolve_recompute(cfg, hf_dir, world)
+            self.console.note(why)
         dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
                                  temperature=cfg.rollout.temperature, dtype=dtype, attention=m.attention_backend,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
-                                 * cfg.trainer.ppo_epochs, off_policy=run_off_policy(cfg)[0])
+                                 * cfg.trainer.ppo_epochs, off_policy=run_off_policy(cfg)[0],
+                                 moe_router_losses=(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
         ref_dir = m.ref_path or hf_dir
         load_ref = ((lambda stage, g: load_hf_weights(stage, g, self.model_spec, ref_dir))
                     if cfg.algorithm.kl_loss_coef > 0 else None)

@@ -22,6 +22,7 @@ from megatron_stare.algorithms.losses import LossPlan, build_policy_loss
 from megatron_stare.algorithms.off_policy import resolve_off_policy
 from megatron_stare.algorithms.stare import StareState
 from megatron_stare.models.gpt import GPTSpec
+from megatron_stare.actor.moe_metrics import ExpertLoad, router_loss_metrics
 from megatron_stare.models.provider import build_model_stage
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
@@ -38,9 +39,13 @@ class MegatronActor:
 
         self.spec, self.groups, self.s = spec, groups, settings
         lay = groups.layout
+        aux, z = settings.moe_router_losses
         stage, self.config = build_model_stage(spec, groups, dtype=settings.dtype, attention=settings.attention,
-                                               recompute=settings.parallel.recompute)
+                                               recompute=settings.parallel.recompute,
+                                               moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
         load_weights(stage, groups)
+        self.expert_load = (ExpertLoad(stage, spec.num_layers, spec.moe.num_experts, groups)
+                            if spec.moe is not None else None)
         self.loss_fn = build_policy_loss(settings.algorithm)
         self.off_policy = settings.off_policy or resolve_off_policy(settings.algorithm)[0]
         self.kernel = TokenStatsKernel(tp_group=groups.tp_group, valid_vocab_size=spec.vocab_size,
@@ -112,6 +117,9 @@ class MegatronActor:
                           collect_selection=collect_selection)
         result = UpdateResult(loss=[], grad_norm=[])
         all_metrics = MetricSums()
+        if self.expert_load is not None:
+            self.expert_load.reset()
+            self.expert_load.active = True
         selected: list = []
         for _ in range(ppo_epochs):
             for micro_batches, plan in zip(batches, plans):
@@ -125,6 +133,10 @@ class MegatronActor:
         all_metrics.all_reduce(g.dp_cp_group, device=g.device)
         result.metrics = share_from_last_stage(all_metrics.means(), g)
         result.metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if self.expert_load is not None:
+            self.expert_load.active = False
+            result.metrics.update(self.expert_load.metrics(self.spec.moe.layer_pattern))
+            result.metrics.update(router_loss_metrics(g, ppo_epochs * sum(len(m) for m in batches)))
         if collect_selection:
             result.selected_keys = gather_selected_keys(selected, g)
         return result

@@ -23,6 +23,27 @@ from megatron_stare.types import MicroBatch
 LossFunc = Callable[[torch.Tensor], tuple]
 
 
+def _routes_experts(m) -> bool:
+    """A mixture-of-experts stage whose router can be told the row's padding: megatron splits
+    the mask for sequence parallel on the first pipeline stage only, so later stages under
+    sequence parallel route their padding (counted by the router losses)."""
+    inner = m
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module
+    cfg = getattr(inner, "config", None)
+    if not getattr(cfg, "num_moe_experts", None):
+        return False
+    return bool(getattr(inner, "pre_process", True)) or not cfg.sequence_parallel
+
+
+def _row_padding(row) -> torch.Tensor:
+    """``[1, t]`` bool, True at the packed row's padding (slot padding, the row's multiple):
+    megatron's MoE ``padding_mask``, which keeps padding out of the router's losses."""
+    pad = torch.ones_like(row.input_ids, dtype=torch.bool)
+    pad[0, row.index.reshape(-1)] = False  # cells past a sequence's end map to position 0, a real token
+    return pad
+
+
 def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequence[LossFunc],
                  forward_only: bool):
     """Run ``model`` over ``micro_batches`` with Megatron's schedule; ``loss_funcs[i]`` gets the
@@ -35,7 +56,10 @@ def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequenc
             return m(mb.input_ids, mb.position_ids, None), loss_func
         row = mb.packed
         params = PackedRowParams.of(row.seq_lens, row.slot_lens, row.input_ids.device)
-        return m(row.input_ids, row.position_ids, None, packed_seq_params=params), loss_func
+        extra = {}
+        if _routes_experts(m):
+            extra["padding_mask"] = _row_padding(row)
+        return m(row.input_ids, row.position_ids, None, packed_seq_params=params, **extra), loss_func
 
     # Lengths differ between micro-batches: the p2p of every stage boundary sends its shape
     # first (``variable_seq_lengths``), so these are only Megatron's nominal sizes.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,8 @@ class ActorSettings:
     the run's config); None: ``algorithm``'s own (``algorithm.off_policy_correction``)."""
     attention: str = "auto"
     """``model.attention_backend`` (``models.gpt.resolve_attention``)."""
+    moe_router_losses: Tuple[float, float] = (0.0, 0.0)
+    """Mixture of experts: (load-balancing loss, z-loss) coefficients of the router; 0 = off."""
 
 
 @dataclass

@@ -33,6 +33,18 @@ measured in ``shared/docs/cpu-recipe.md``:
    type string and reject anything but ``torch.cuda.{Float,Half,BFloat16}Tensor``. While those
    two constructors run (and only then), ``Parameter.type()`` reports a CPU parameter with the
    CUDA spelling of its own dtype, so the sorting is the one CUDA would do.
+9. ``moe_te_gemm``: megatron's ``moe_utils`` names ``te_general_gemm`` only when
+   transformer-engine imports, yet the router's gating linear tests it for None
+   (``RouterGatingLinearFunction``: a NameError without TE); it is defined as None, so the
+   router falls back to ``torch.mm``.
+10. ``moe_split_sizes``: the alltoall token dispatcher turns its split sizes into numpy arrays
+   with ``maybe_move_tensor_to_cpu``, which converts CUDA tensors only; gloo's
+   ``all_to_all_single`` refuses tensors as split sizes. The dispatcher's copy converts CPU
+   tensors as well. (Its ``torch.cuda.Stream()`` and the event it synchronises on are patch 6:
+   ``_NullStream.record_event`` returns an event that has always happened.)
+11. ``uneven_gather``: megatron's ``_gather_along_first_dim`` with unequal ``output_split_sizes``
+   (the dispatcher at TP x ETP > 1) all-gathers a list of unequal tensors, which gloo refuses;
+   on CPU it pads each rank's rows to the largest count, gathers once and cuts the padding.
 
 With these, the distributed optimizer and bf16 params with fp32 main params run on CPU gloo
 ranks. Sequence parallel needs no patch here: its blocker is Megatron's torch norm, which does
@@ -103,6 +115,20 @@ class _CpuTorchView:
         return getattr(torch, name)
 
 
+class _NullEvent:
+    """What ``_NullStream.record_event`` returns: an event that has always happened (the
+    MoE alltoall dispatcher synchronises on the event of its device-to-host stream)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     """A do-nothing stand-in for ``torch.cuda.Stream`` on CPU (patch 6)."""
 
@@ -116,7 +142,7 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return None
+        return event if event is not None else _NullEvent()
 
     def synchronize(self) -> None:
         pass
@@ -308,6 +334,59 @@ def _patch_optimizer_type_checks() -> None:
             cls.__init__ = _reporting_cuda_types(cls.__init__)
 
 
+def _patch_moe_te_gemm() -> None:
+    try:
+        mod = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    except ImportError:
+        return
+    if not hasattr(mod, "te_general_gemm"):
+        mod.te_general_gemm = None
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on CPU (patch 10): the
+    numpy conversion it applies only to CUDA tensors is what gloo's ``all_to_all_single``
+    needs for its split sizes (it refuses tensors there)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_moe_split_sizes() -> None:
+    try:
+        mod = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    except ImportError:
+        return
+    if hasattr(mod, "maybe_move_tensor_to_cpu"):
+        mod.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+
+
+def _uneven_gather(original):
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        """megatron's ``_gather_along_first_dim`` where gloo's ``all_gather`` of a list of
+        unequal tensors fails (patch 11): each rank's rows padded to the largest count, one
+        equal all-gather, the padding cut away."""
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if group is None or group.size() == 1 or sizes is None or len(set(sizes)) == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        most = max(sizes)
+        padded = input_.new_zeros((most,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * len(sizes),) + tuple(input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(out.split(most), sizes)])
+
+    gather.__wrapped__ = original
+    gather._megatron_stare_cpu = True
+    return gather
+
+
+def _patch_uneven_gather() -> None:
+    mod = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    if not getattr(mod._gather_along_first_dim, "_megatron_stare_cpu", False):
+        mod._gather_along_first_dim = _uneven_gather(mod._gather_along_first_dim)
+
+
 #: The patches by name, in the order of the module docstring.
 PATCHES = {
     "current_device": _patch_current_device,
@@ -318,6 +397,9 @@ PATCHES = {
     "streams": _patch_streams,
     "tensor_cuda": _patch_tensor_cuda,
     "optimizer_type_checks": _patch_optimizer_type_checks,
+    "moe_te_gemm": _patch_moe_te_gemm,
+    "moe_split_sizes": _patch_moe_split_sizes,
+    "uneven_gather": _patch_uneven_gather,
 }
 
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_stare.models.gpt import GPTSpec
+from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.preemption import PREEMPTION_SIGNALS
@@ -56,7 +56,11 @@ class CheckpointMeta:
     format_version: int = FORMAT_VERSION
 
     def gpt_spec(self) -> GPTSpec:
-        return GPTSpec(**self.spec)
+        spec = dict(self.spec)
+        if spec.get("moe") is not None:  # JSON holds the MoESpec as a dict, its tuple as a list
+            moe = dict(spec["moe"], layer_pattern=tuple(spec["moe"]["layer_pattern"]))
+            spec["moe"] = MoESpec(**moe)
+        return GPTSpec(**spec)
 
 
 def _partial_dir(out: Path) -> Path:
@@ -184,7 +188,7 @@ def save_model(model: torch.nn.Module, groups: ParallelGroups, out_dir: PathLike
     """Save this layout's model stage(s) as one layout-independent checkpoint (collective)."""
     lay = groups.layout
     meta = CheckpointMeta(spec=dataclasses.asdict(spec), hf_config=hf_config,
-                          saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+                          saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp},
                           extra=dict(extra or {}))
     return save_sharded(unwrap(model).sharded_state_dict(), out_dir, groups, meta,
                         overwrite=overwrite, extra_files=extra_files)
@@ -240,7 +244,7 @@ def save_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     bare stage the optimizer was built over."""
     lay = groups.layout
     meta = CheckpointMeta(spec=dataclasses.asdict(spec),
-                          saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+                          saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp},
                           extra={"optimizer_format": optimizer_format(optimizer)})
     state = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=False),
              "scheduler": scheduler.state_dict()}
@@ -259,6 +263,13 @@ def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: Pa
         raise ValueError(f"distributed-optimizer state in {where} was saved at tp={old.get('tp')} "
                          f"pp={old.get('pp')}; it loads at any DP degree but needs the same tp/pp "
                          f"(this run: tp={layout.tp} pp={layout.pp})")
+    experts = (old.get("ep", 1), old.get("etp", 1))
+    # Measured: megatron-core 0.16 cannot reshard the optimizer state of experts across EP
+    # layouts (distributed or not); the weights reshard (``load_model``).
+    if experts != (getattr(layout, "ep", 1), getattr(layout, "etp", 1)):
+        raise ValueError(f"optimizer state in {where} was saved at ep={experts[0]} etp={experts[1]}; "
+                         f"it needs the same ep/etp (this run: ep={layout.ep} etp={layout.etp}); resume the "
+                         f"weights only (load_optimizer=False) to change them")
 
 
 def reload_main_params(optimizer) -> None:

@@ -55,7 +55,8 @@ import torch.distributed as dist
 from megatron_stare.models.export_pieces import find_collector, piece_buckets, stage_pieces
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
-from megatron_stare.models.sharding import full_shape, gather_canonical, local_params
+from megatron_stare.models.sharding import (ExpertGroups, full_shape, gather_canonical, is_expert_param, local_params,
+                                            num_local_experts)
 from megatron_stare.parallel import ParallelGroups, group_ranks
 from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,
                                         recv_bucket, recv_link, send_bucket, send_bucket_async, send_end,
@@ -105,7 +106,8 @@ def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional
                    stats: ExportStats) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered one canonical tensor at a time (collective)."""
     mapping = mapping_for(spec)
-    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp, reuse=True)
+    gathered = gather_canonical(model, groups.tp_group, groups.layout.tp, reuse=True,
+                                experts=expert_groups(model, groups, spec))
     while True:
         t0 = time.perf_counter()
         item = next(gathered, None)
@@ -119,6 +121,14 @@ def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional
         yield from _accounted(pieces, full, stats)
 
 
+def expert_groups(model, groups: ParallelGroups, spec: GPTSpec) -> Optional[ExpertGroups]:
+    """The expert groups ``gather_canonical`` needs for a mixture-of-experts ``spec`` (else None)."""
+    if spec.moe is None:
+        return None
+    lay = groups.layout
+    return ExpertGroups(groups.ep_group, lay.ep, groups.etp_group, lay.etp, num_local_experts(model))
+
+
 def _accounted(pieces, full, stats):
     stats.in_flight = _nbytes(full) + sum(_nbytes(t) for _, t in pieces)
     for item in pieces:
@@ -130,9 +140,10 @@ def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[
     """Pack this stage's HF tensors into flat buckets of at most ``bucket_bytes``."""
     # Upper bound of what is left to pack, so a small model never allocates a huge buffer.
     esize = torch.tensor([], dtype=dtype).element_size() if dtype is not None else None
+    lay = groups.layout
     bound = sum(
-        _aligned(torch.Size(full_shape(p, groups.layout.tp)).numel() * (esize or p.element_size()))
-        * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1)
+        _aligned(torch.Size(full_shape(p, lay.tp, lay.etp)).numel() * (esize or p.element_size()))
+        * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1) * (lay.ep if is_expert_param(p) else 1)
         for local, _, p in local_params(model))
     stats.in_flight = 0
     buckets = pack_stream(_stage_tensors(model, groups, spec, dtype, stats), bucket_bytes, groups.device,
@@ -185,6 +196,9 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
     if pieces and dst == "all":
         raise ValueError("iter_hf_buckets(pieces=True) streams to one rank: pass dst=<global rank> "
                          "(dst='all' exports whole tensors)")
+    if pieces and spec.moe is not None:
+        raise ValueError("iter_hf_buckets(pieces=True) does not export mixture-of-experts models yet; "
+                         "use pieces=False (whole tensors)")
     stats = stats if stats is not None else ExportStats()
     pp, me, dev = groups.layout.pp, dist.get_rank(), groups.device
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
@@ -211,10 +225,11 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
                 yield from _received(link, dev, staging, stats)
         return
 
-    if dst not in group_ranks(groups.mp_group):
+    # Expert-parallel groups span data-parallel replicas: every rank takes part in the gathers.
+    if dst not in group_ranks(groups.mp_group) and not (spec.moe is not None and groups.layout.ep > 1):
         return  # another data-parallel replica streams to dst
     if dst not in pp_ranks:
-        for _ in local:  # only take part in this stage's TP gathers
+        for _ in local:  # only take part in this stage's TP (and expert) gathers
             pass
         return
     yield from _to_dst(local, dst, groups, pp_ranks, staging, stats)

@@ -12,10 +12,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a decoder (Qwen3-MoE, Qwen2-MoE), in Megatron's terms.
+
+    ``layer_pattern[i]`` is 1 where layer i routes over experts and 0 where it keeps the dense
+    MLP of ``GPTSpec.ffn_hidden_size`` (megatron's ``moe_layer_freq`` list).
+    ``norm_topk_prob``: the top-k probabilities are renormalised to sum to one (megatron's
+    softmax over the top-k logits, ``moe_router_pre_softmax=False``); otherwise they are the
+    top-k entries of the softmax over all experts (``moe_router_pre_softmax=True``).
+    ``shared_expert_size`` > 0 adds an always-on expert of that width, scaled by
+    ``sigmoid(gate . x)`` when ``shared_expert_gate`` (Qwen2-MoE).
+    """
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    layer_pattern: Tuple[int, ...]
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,7 @@ class GPTSpec:
     tie_word_embeddings: bool = False
     make_vocab_size_divisible_by: int = 128
     architecture: str = "qwen2"
+    moe: Optional[MoESpec] = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -93,11 +116,34 @@ def resolve_attention(backend: str = "auto", cuda: Optional[bool] = None) -> str
     return "te"
 
 
+def moe_config_kwargs(moe: MoESpec, *, ep: int = 1, etp: int = 1, aux_loss_coeff: float = 0.0,
+                      z_loss_coeff: float = 0.0) -> dict:
+    """``TransformerConfig`` fields of ``moe``: SequentialMLP experts (pure torch; grouped GEMM
+    is a GPU option, ``moe_grouped_gemm=True`` in the overrides), the alltoall dispatcher, no
+    token dropping (no capacity factor), the router in fp32. The load-balancing loss and the
+    z-loss are off unless their coefficients are > 0 (RL fine-tuning, as peers do)."""
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=list(moe.layer_pattern), moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_shared_expert_intermediate_size=moe.shared_expert_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(aux_loss_coeff), moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
+    )
+
+
 def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False, recompute: Optional[str] = None, **overrides):
+                       sequence_parallel: bool = False, recompute: Optional[str] = None, ep: int = 1,
+                       etp: int = 1, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
+                       **overrides):
     """The megatron-core ``TransformerConfig`` for ``spec`` at tensor/pipeline/context degrees
-    tp, pp, cp. Megatron's RoPE reads ``context_parallel_size`` to give each CP rank the
-    positions of its chunks; attention reads the CP group."""
+    tp, pp, cp (and expert / expert-tensor degrees ep, etp with the router losses of a
+    mixture-of-experts ``spec``: ``models/moe.py``). Megatron's RoPE reads
+    ``context_parallel_size`` to give each CP rank the positions of its chunks; attention reads
+    the CP group."""
+
     from megatron.core.transformer import TransformerConfig
 
     kwargs = dict(
@@ -133,6 +179,9 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: t
         variable_seq_lengths=True,  # micro-batches of a token budget differ in length
         moe_token_dispatcher_type="alltoall",  # (only so Megatron accepts variable lengths)
     )
+    if spec.moe is not None:
+        kwargs.update(moe_config_kwargs(spec.moe, ep=ep, etp=etp, aux_loss_coeff=moe_aux_loss_coeff,
+                                        z_loss_coeff=moe_z_loss_coeff))
     assert recompute != "auto", "parallel.recompute=auto is resolved before the model is built (plan.py)"
     if recompute in ("full", "selective"):
         kwargs.update(recompute_granularity=recompute,
@@ -160,8 +209,13 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
     if attention == "auto":
         attention = resolve_attention("auto")
     # The local spec's norms are ours (layer_specs.TorchNorm): they support sequence parallel.
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-                  if attention == "te" else local_block_spec(config, spec.qk_layernorm, attention=attention))
+    if attention == "te" and spec.moe is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    else:
+        layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+                      if attention == "te" else local_block_spec(config, spec.qk_layernorm, attention=attention))
     rope = dict(rotary_base=int(spec.rotary_base))
     if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "linear":
         # HF divides the frequencies by the factor; Megatron divides the positions (same angle).

@@ -58,21 +58,39 @@ def _core_attention(name: str):
 CORE_ATTENTION = ("torch", "megatron")
 
 
-def local_block_spec(config, qk_layernorm: bool, *, attention: str = "torch", vp_stage=None, pp_rank=None):
-    """``TransformerBlockSubmodules`` of this pipeline stage: the local layer spec with
-    ``TorchNorm`` everywhere, ``TorchNorm`` as the final norm, and ``attention`` (one of
-    ``CORE_ATTENTION``) as the core attention."""
+def _local_layer(config, qk_layernorm: bool, attention: str, num_experts=None):
+    """megatron-core's local layer spec (a MoE layer with SequentialMLP experts when
+    ``num_experts``) with ``TorchNorm`` everywhere and ``attention`` as the core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=config.normalization)
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=qk_layernorm, normalization=config.normalization)
     sub = layer.submodules
     attn = dataclasses.replace(sub.self_attention.submodules, core_attention=_core_attention(attention))
     if qk_layernorm:
         attn = dataclasses.replace(attn, q_layernorm=TorchNorm, k_layernorm=TorchNorm)
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
         sub, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm,
         self_attention=dataclasses.replace(sub.self_attention, submodules=attn)))
+
+
+def local_block_spec(config, qk_layernorm: bool, *, attention: str = "torch", vp_stage=None, pp_rank=None):
+    """``TransformerBlockSubmodules`` of this pipeline stage: the local layer spec with
+    ``TorchNorm`` everywhere, ``TorchNorm`` as the final norm, and ``attention`` (one of
+    ``CORE_ATTENTION``) as the core attention. With ``config.num_moe_experts``, the layers
+    that ``config.moe_layer_freq`` (a 0/1 list over all layers) marks 1 are MoE layers."""
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=TorchNorm)
+    dense = _local_layer(config, qk_layernorm, attention)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[dense] * n, layer_norm=TorchNorm)
+    moe = _local_layer(config, qk_layernorm, attention, num_experts=config.num_moe_experts)
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):
+        pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layers = [moe if pattern[offset + i] else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)

@@ -19,6 +19,7 @@ import torch
 from megatron_stare.models.gpt import GPTSpec, build_gpt_stage, transformer_config
 from megatron_stare.models.hf_io import HFCheckpointReader, check_hf_tensors
 from megatron_stare.models.llama_like import LlamaLikeMapping
+from megatron_stare.models.moe import per_expert_view
 from megatron_stare.models.registry import family_by_name, family_for_config
 from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ModelShape, ParallelGroups
@@ -55,7 +56,8 @@ def model_shape(spec: GPTSpec) -> ModelShape:
     """The dimensions ``ParallelLayout.validate`` checks a layout against."""
     return ModelShape(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                       num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
-                      hidden_size=spec.hidden_size)
+                      hidden_size=spec.hidden_size, num_experts=spec.moe.num_experts if spec.moe else 0,
+                      moe_ffn_hidden_size=spec.moe.ffn_hidden_size if spec.moe else 0)
 
 
 def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dtype = torch.float32,
@@ -68,7 +70,7 @@ def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dty
     """
     lay = groups.layout
     lay.validate(shape=model_shape(spec))
-    cfg = transformer_config(spec, lay.tp, lay.pp, cp=lay.cp, dtype=dtype,
+    cfg = transformer_config(spec, lay.tp, lay.pp, cp=lay.cp, dtype=dtype, ep=lay.ep, etp=lay.etp,
                              sequence_parallel=lay.sequence_parallel, **config_overrides)
     model = build_gpt_stage(spec, cfg, pre_process=groups.is_first_stage,
                             post_process=groups.is_last_stage, tp=lay.tp, use_te=use_te,
@@ -79,9 +81,11 @@ def build_model_stage(spec: GPTSpec, groups: ParallelGroups, *, dtype: torch.dty
 def _reader(source: HFSource) -> Tuple[Callable[[str], torch.Tensor], dict, str]:
     """(get(name), {name: shape}, description) for a directory, reader or state dict."""
     if isinstance(source, Mapping):
-        return source.__getitem__, {n: tuple(t.shape) for n, t in source.items()}, "state dict"
+        return (*per_expert_view(source.__getitem__, {n: tuple(t.shape) for n, t in source.items()}),
+                "state dict")
     reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
-    return reader.get, {n: reader.shape(n) for n in reader.names()}, str(reader.dir)
+    # Fused expert tensors (transformers 5's in-memory layout) are read as per-expert ones.
+    return (*per_expert_view(reader.get, {n: reader.shape(n) for n in reader.names()}), str(reader.dir))
 
 
 @torch.no_grad()
@@ -100,7 +104,8 @@ def load_hf_weights(model: torch.nn.Module, groups: ParallelGroups, spec: GPTSpe
     def get_full(canonical: str, shape) -> torch.Tensor:
         return mapping.to_canonical(canonical, get, shape)
 
-    return load_canonical(model, get_full, groups.tp_rank, groups.layout.tp)
+    return load_canonical(model, get_full, groups.tp_rank, groups.layout.tp,
+                          etp_rank=groups.etp_rank, etp=groups.layout.etp)
 
 
 def build_from_hf(hf_dir: PathLike, groups: ParallelGroups, *, dtype: torch.dtype = torch.float32,

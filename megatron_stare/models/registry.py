@@ -1,6 +1,6 @@
 """Registry of HF architectures this project can map to Megatron (a dict and a decorator).
 
-Each architecture family (``qwen2``, ``llama``, ``qwen3``) is a class registered under its HF
+Each architecture family (``qwen2``, ``llama``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``) is a class registered under its HF
 ``architectures`` names (``Qwen2ForCausalLM`` ...) and its ``model_type``. ``family_for_config``
 picks the family of an HF ``config.json``; an unknown architecture is one ValueError that names
 it and lists the supported ones. The family modules register themselves on import;
@@ -18,7 +18,8 @@ ARCHITECTURES: Dict[str, Type] = {}
 FAMILIES: Dict[str, Type] = {}
 
 _FAMILY_MODULES = ("megatron_stare.models.qwen2", "megatron_stare.models.llama",
-                   "megatron_stare.models.qwen3")
+                   "megatron_stare.models.qwen3", "megatron_stare.models.qwen3_moe",
+                   "megatron_stare.models.qwen2_moe")
 
 
 def register_architecture(family: str, *hf_names: str):

@@ -7,7 +7,10 @@ from the attributes Megatron puts on its parameters:
 - pipeline: a local ``decoder.layers.{i}`` is global layer ``layer.layer_number - 1``;
 - tensor parallel: a parameter with ``tensor_model_parallel`` set is split along its
   ``partition_dim``; the SwiGLU ``linear_fc1`` holds ``[gate; up]`` per rank, so its canonical
-  ``[gate; up]`` is split half by half, not contiguously.
+  ``[gate; up]`` is split half by half, not contiguously;
+- experts (mixture of experts): a local ``mlp.experts.local_experts.{j}`` is global expert
+  ``mlp.local_expert_indices[j]`` (expert parallel); expert weights (Megatron marks them
+  ``allreduce=False``) are split over the expert-tensor-parallel group (etp ranks), not TP.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def _layer_offsets(model: torch.nn.Module) -> Dict[int, int]:
@@ -29,20 +33,52 @@ def _layer_offsets(model: torch.nn.Module) -> Dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)}
 
 
-def global_name(local_name: str, offsets: Dict[int, int]) -> str:
+def _expert_offsets(model: torch.nn.Module) -> Dict[int, int]:
+    """local layer index -> global index of its first local expert (MoE layers only)."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return {}
+    return {i: layer.mlp.local_expert_indices[0] for i, layer in enumerate(decoder.layers)
+            if hasattr(layer.mlp, "local_expert_indices")}
+
+
+def global_name(local_name: str, offsets: Dict[int, int], expert_offsets: Optional[Dict[int, int]] = None) -> str:
     """The canonical (single-rank) name of a local parameter name."""
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name
-    return f"{m.group(1)}{offsets[int(m.group(2))]}{m.group(3)}"
+    out = f"{m.group(1)}{offsets[int(m.group(2))]}{m.group(3)}"
+    e = _EXPERT_RE.match(out)
+    if e and expert_offsets:
+        out = f"{e.group(1)}{expert_offsets[int(m.group(2))] + int(e.group(2))}{e.group(3)}"
+    return out
+
+
+def renumber_expert(canonical: str, expert: int) -> str:
+    """``canonical`` (an expert's tensor) with its expert index replaced by ``expert``."""
+    e = _EXPERT_RE.match(canonical)
+    return f"{e.group(1)}{expert}{e.group(3)}"
+
+
+def expert_index(canonical: str) -> Optional[int]:
+    """The global expert index of an expert's canonical tensor name; None for other tensors."""
+    e = _EXPERT_RE.match(canonical)
+    return int(e.group(2)) if e else None
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Megatron marks expert weights ``allreduce=False`` (reduced over expert-data-parallel)."""
+    return getattr(param, "allreduce", True) is False
 
 
 def is_glu_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+    # Dense MLP, routed experts (``experts.local_experts.j.linear_fc1``) and the shared expert.
+    return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
 
 
-def full_shape(param: torch.Tensor, tp: int) -> Tuple[int, ...]:
-    """Shape of the canonical tensor a local shard comes from."""
+def full_shape(param: torch.Tensor, tp: int, etp: int = 1) -> Tuple[int, ...]:
+    """Shape of the canonical tensor a local shard comes from (``etp`` for expert weights)."""
+    tp = etp if is_expert_param(param) else tp
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
         shape[param.partition_dim] *= tp
@@ -51,7 +87,8 @@ def full_shape(param: torch.Tensor, tp: int) -> Tuple[int, ...]:
 
 def shard(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int, tp: int,
           glu: bool) -> torch.Tensor:
-    """This rank's slice of canonical tensor ``full`` for local parameter ``param``."""
+    """This rank's slice of canonical tensor ``full`` for local parameter ``param`` (for an
+    expert weight, ``tp_rank``/``tp`` are its expert-tensor-parallel rank and degree)."""
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return full
     dim = param.partition_dim
@@ -88,32 +125,35 @@ def local_params(model: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Pa
     DDP and Float16Module removed).
     """
     inner = unwrap(model)
-    offsets = _layer_offsets(inner)
+    offsets, experts = _layer_offsets(inner), _expert_offsets(inner)
     for name, p in inner.named_parameters():
-        yield name, global_name(name, offsets), p
+        yield name, global_name(name, offsets, experts), p
 
 
 @torch.no_grad()
 def load_canonical(model: torch.nn.Module, get_full: Callable[[str, Tuple[int, ...]], torch.Tensor],
-                   tp_rank: int, tp: int, glu: bool = True) -> int:
+                   tp_rank: int, tp: int, glu: bool = True, etp_rank: int = 0, etp: int = 1) -> int:
     """Fill every local parameter from canonical tensors; returns the number loaded.
 
     ``get_full(canonical_name, full_shape)`` returns the canonical tensor. Shapes are checked,
     so a mapping bug surfaces here with the tensor's name instead of as wrong numbers later.
+    Expert weights are sliced by ``etp_rank`` of ``etp`` (expert-tensor parallel), the rest by TP.
     """
     n = 0
     for local, canon, p in local_params(model):
-        full = get_full(canon, full_shape(p, tp))
-        if tuple(full.shape) != full_shape(p, tp):
-            raise ValueError(f"{canon}: expected shape {full_shape(p, tp)}, got {tuple(full.shape)}")
-        p.copy_(shard(full, p, local, tp_rank, tp, glu))
+        shape = full_shape(p, tp, etp)
+        full = get_full(canon, shape)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{canon}: expected shape {shape}, got {tuple(full.shape)}")
+        rank, size = (etp_rank, etp) if is_expert_param(p) else (tp_rank, tp)
+        p.copy_(shard(full, p, local, rank, size, glu))
         n += 1
     return n
 
 
 @torch.no_grad()
-def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True, reuse: bool = False
-                     ) -> Iterator[Tuple[str, torch.Tensor]]:
+def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True, reuse: bool = False,
+                     experts: Optional["ExpertGroups"] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (canonical name, canonical tensor) for this stage, gathering TP shards.
 
     Collective over ``tp_group``: every TP rank of the stage must iterate in step. One tensor is
@@ -123,9 +163,16 @@ def gather_canonical(model: torch.nn.Module, tp_group, tp: int, glu: bool = True
     concatenation: the gathered buffer is the tensor), and yield parameters that need no gather
     without a copy - a yielded tensor is then valid only until the next one is requested (for a
     consumer that copies it at once, like the streaming export).
+
+    ``experts`` (a mixture-of-experts model): each expert weight is gathered over the
+    expert-tensor-parallel group, then over the expert-parallel group, and yielded once per
+    expert of that group (every rank of the EP group yields every expert, in step).
     """
     gathered, joined = _Scratch(), _Scratch()
     for local, canon, p in local_params(model):
+        if experts is not None and is_expert_param(p):
+            yield from experts.gather(local, canon, p, glu)
+            continue
         if tp > 1 and getattr(p, "tensor_model_parallel", False):
             if reuse:
                 flat = gathered.get(p.numel() * tp, p.dtype, p.device)
@@ -157,3 +204,37 @@ class _Scratch:
             self.buf = None
             self.buf = torch.empty(n, dtype=torch.uint8, device=device)
         return self.buf[:n].view(dtype)
+
+
+class ExpertGroups:
+    """The expert-parallel (``ep``) and expert-tensor-parallel (``etp``) groups of this rank,
+    for gathering expert weights (``gather_canonical(experts=...)``)."""
+
+    def __init__(self, ep_group, ep: int, etp_group, etp: int, num_local_experts: int) -> None:
+        self.ep_group, self.ep, self.etp_group, self.etp = ep_group, ep, etp_group, etp
+        self.num_local = num_local_experts
+        self.ep_rank = dist.get_rank(ep_group) if ep > 1 else 0
+
+    def gather(self, local: str, canon: str, p: torch.Tensor, glu: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+        t = p.detach().contiguous()
+        if self.etp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(self.etp)]
+            dist.all_gather(parts, t, group=self.etp_group)
+            t = unshard(parts, p, local, glu)
+        if self.ep == 1:
+            yield canon, t.clone()
+            return
+        parts = [torch.empty_like(t) for _ in range(self.ep)]
+        dist.all_gather(parts, t.contiguous(), group=self.ep_group)
+        j = expert_index(canon) - self.ep_rank * self.num_local
+        for r, part in enumerate(parts):
+            yield renumber_expert(canon, r * self.num_local + j), part
+
+
+def num_local_experts(model: torch.nn.Module) -> int:
+    """Experts per MoE layer on this rank (0 for a dense model or a stage without MoE layers)."""
+    decoder = getattr(unwrap(model), "decoder", None)
+    for layer in getattr(decoder, "layers", []):
+        if hasattr(layer.mlp, "local_expert_indices"):
+            return len(layer.mlp.local_expert_indices)
+    return 0

@@ -55,7 +55,7 @@ _CORPUS = [
 def _family_config(family: str, *, vocab_size: int, num_layers: int, tie: bool,
                    hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    ffn_hidden_size: int, max_position_embeddings: int, rope_theta: float,
-                   rope_scaling: Optional[dict]):
+                   rope_scaling: Optional[dict], moe: Optional[dict] = None):
     import transformers
 
     common = dict(
@@ -76,7 +76,15 @@ def _family_config(family: str, *, vocab_size: int, num_layers: int, tie: bool,
     if family == "qwen3":
         return transformers.Qwen3Config(**common, rope_parameters=rope, head_dim=head_dim,
                                         attention_bias=False, use_sliding_window=False)
-    raise ValueError(f"unknown tiny model family {family!r}; choose one of qwen2, llama, qwen3")
+    moe = dict(moe or {})
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, rope_parameters=rope, head_dim=head_dim,
+                                           attention_bias=False, use_sliding_window=False, **moe)
+    if family == "qwen2_moe":
+        moe.setdefault("shared_expert_intermediate_size", ffn_hidden_size)
+        return transformers.Qwen2MoeConfig(**common, rope_parameters=rope, use_sliding_window=False, **moe)
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of qwen2, llama, qwen3, "
+                     f"qwen3_moe, qwen2_moe")
 
 
 _TOKENIZER_CACHE: Dict[int, bytes] = {}
@@ -143,19 +151,21 @@ def build_tiny_hf_model(family: str, out_dir: Union[str, Path], *, seed: int = 0
                         hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                         head_dim: Optional[int] = None, ffn_hidden_size: int = 256,
                         max_position_embeddings: int = 512, rope_theta: float = 1e6,
-                        rope_scaling: Optional[dict] = None) -> Path:
+                        rope_scaling: Optional[dict] = None, moe: Optional[dict] = None) -> Path:
     """Write a tiny random-init HF checkpoint of ``family`` into ``out_dir``; return the path.
 
     ``family``: ``qwen2`` (qkv bias), ``llama`` (no bias) or ``qwen3`` (q/k RMSNorm; ``head_dim``
     defaults to 32 and need not equal hidden/heads). The tokenizer is trained to at most
     ``vocab_size`` tokens; the model's embedding has exactly ``vocab_size`` rows. Weights are
     ~N(0, 0.05) (norm weights ~1 +- 0.1, biases ~N(0, 0.05)) from ``seed``, so logits are
-    far from uniform and layout bugs show.
+    far from uniform and layout bugs show. ``qwen3_moe`` / ``qwen2_moe`` (a shared expert of
+    ``ffn_hidden_size`` unless given) take their expert fields from ``moe`` (``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``, ``mlp_only_layers``...).
     """
     head_dim = head_dim or hidden_size // num_heads
     key = (family, seed, num_layers, vocab_size, tie_word_embeddings, dtype, hidden_size,
            num_heads, num_kv_heads, head_dim, ffn_hidden_size, max_position_embeddings,
-           rope_theta, json.dumps(rope_scaling, sort_keys=True))
+           rope_theta, json.dumps(rope_scaling, sort_keys=True), json.dumps(moe, sort_keys=True))
     out = Path(out_dir)
     if key not in _MODEL_CACHE:
         src = _cache_dir() / f"m{len(_MODEL_CACHE)}"
@@ -163,7 +173,7 @@ def build_tiny_hf_model(family: str, out_dir: Union[str, Path], *, seed: int = 0
                tie=tie_word_embeddings, dtype=dtype, hidden_size=hidden_size, num_heads=num_heads,
                num_kv_heads=num_kv_heads, head_dim=head_dim, ffn_hidden_size=ffn_hidden_size,
                max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-               rope_scaling=rope_scaling)
+               rope_scaling=rope_scaling, moe=moe)
         _MODEL_CACHE[key] = src
     out.mkdir(parents=True, exist_ok=True)
     for f in _MODEL_CACHE[key].iterdir():
@@ -185,7 +195,8 @@ def _build(out: Path, family: str, *, seed: int, num_layers: int, vocab_size: in
     torch.manual_seed(seed)
     model = getattr(transformers, cfg.architectures[0] if cfg.architectures else
                     {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}[family])(cfg)
+                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                     "qwen2_moe": "Qwen2MoeForCausalLM"}[family])(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -6,7 +6,8 @@ mixed prompt/response lengths and mixed advantages, and returns what must be lay
 the losses, grad norms, metrics, selected token keys and the updated canonical weights (fp32);
 the micro-batch widths this rank ran; and the log-prob pass's per-token results by token key.
 Knobs: context parallel, packed or padded micro-batches, sequence parallel, the distributed
-optimizer, bf16.
+optimizer, bf16, and the model (``spec``: ``MOE_SPEC`` is a tiny Qwen3-MoE, run at expert
+parallel layouts with ``ep``/``etp``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config import OptimizerConfig, ParallelConfig
-from megatron_stare.models.gpt import transformer_engine_error
+from megatron_stare.models.gpt import GPTSpec, MoESpec, transformer_engine_error
 from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ParallelLayout, init_distributed
 from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
 from megatron_stare.types import Sample
+
+
+#: A tiny Qwen3-MoE: q/k norms, 8 experts of width 32, top-2 with renormalised probabilities.
+MOE_SPEC = dataclasses.replace(TINY_SPEC, num_layers=2, add_qkv_bias=False, qk_layernorm=True, architecture="qwen3_moe",
+                               moe=MoESpec(num_experts=8, topk=2, ffn_hidden_size=32, layer_pattern=(1, 1)))
 
 
 def synthetic_samples(groups: int = 4, n: int = 4, seed: int = 0, vocab: int = TINY_SPEC.vocab_size) -> List[Sample]:
@@ -51,22 +57,25 @@ def gather_full_model(actor) -> Dict[str, torch.Tensor]:
 
 
 def case_groups(world: int, tp: int, pp: int, *, cp: int = 1, distributed_optimizer: bool = False,
-                sequence_parallel: bool = False):
-    """Process groups of the layout (tp, pp, cp, dp = world/(tp*pp*cp)); once per process."""
+                sequence_parallel: bool = False, ep: int = 1, etp: int = 1):
+    """Process groups of the layout (tp, pp, cp, dp = world/(tp*pp*cp); experts at ep, etp);
+    once per process."""
     lay = ParallelLayout.from_world(world, tp=tp, pp=pp, cp=cp, distributed_optimizer=distributed_optimizer,
-                                    sequence_parallel=sequence_parallel)
+                                    sequence_parallel=sequence_parallel, ep=ep, etp=etp)
     return init_distributed(lay, seed=1234)
 
 
 def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: float = 100.0,
                      variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
                      lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
-                     pack_sequences: bool = True, algorithm: Optional[dict] = None):
+                     pack_sequences: bool = True, algorithm: Optional[dict] = None,
+                     spec: GPTSpec = TINY_SPEC, moe_router_losses=(0.0, 0.0)):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
     ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
     optimizer follow the layout. ``algorithm``: further ``AlgorithmConfig`` fields (aggregation
     mode, entropy bonus, Cov configs, ...); with ``kl_loss_coef`` > 0 the actor also holds a
-    reference model, weights ``seeded_canonical(.., weights_seed + 1)``."""
+    reference model, weights ``seeded_canonical(.., weights_seed + 1)``. ``spec``: the model
+    (``MOE_SPEC``: experts at the layout's ep/etp, router losses ``moe_router_losses``)."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
@@ -76,18 +85,20 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                                                      micro_batch_tokens=micro_batch_tokens,
                                                      pack_sequences=pack_sequences,
                                                      sequence_parallel=lay.sequence_parallel,
-                                                     distributed_optimizer=lay.distributed_optimizer),
+                                                     distributed_optimizer=lay.distributed_optimizer,
+                                                     ep=lay.ep, etp=lay.etp),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows,
+                             moe_router_losses=tuple(moe_router_losses),
                              # The tests' explicit choice where transformer-engine is absent (no fallback).
                              attention="auto" if transformer_engine_error() is None else "torch")
 
     def loader(seed):
         return lambda stage, g: load_canonical(stage, lambda n, s: seeded_canonical(n, s, seed).to(dtype),
-                                               g.tp_rank, g.layout.tp)
+                                               g.tp_rank, g.layout.tp, etp_rank=g.etp_rank, etp=g.layout.etp)
 
     ref = loader(weights_seed + 1) if algo.kl_loss_coef > 0 else None
-    return MegatronActor(TINY_SPEC, groups, settings, loader(weights_seed), ref), algo
+    return MegatronActor(spec, groups, settings, loader(weights_seed), ref), algo
 
 
 def token_values(batches, name: str) -> Dict[int, float]:
@@ -146,25 +157,26 @@ def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool =
 
 
 def run_actor_case(rank: int, world: int, tp: int, pp: int, *, cp: int = 1,
-                   distributed_optimizer: bool = False, sequence_parallel: bool = False, **knobs):
-    """``actor_case_result`` at (tp, pp, cp, dp = world/(tp*pp*cp)); entry point for
+                   distributed_optimizer: bool = False, sequence_parallel: bool = False, ep: int = 1,
+                   etp: int = 1, **knobs):
+    """``actor_case_result`` at (tp, pp, cp, dp = world/(tp*pp*cp); ep, etp); entry point for
     ``run_on_ranks``."""
     groups = case_groups(world, tp, pp, cp=cp, distributed_optimizer=distributed_optimizer,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, ep=ep, etp=etp)
     return actor_case_result(groups, **knobs)
 
 
 def run_actor_variants(rank: int, world: int, tp: int, pp: int, variants: Sequence[dict], *,
-                       cp: int = 1) -> List[dict]:
+                       cp: int = 1, ep: int = 1, etp: int = 1) -> List[dict]:
     """``actor_case_result`` of each of ``variants`` (knob dicts; ``sequence_parallel`` and
     ``distributed_optimizer`` among them: they change the actor, not the process groups) on one
     set of process groups, in one process: spawning ranks and importing megatron-core costs far
     more than a tiny case, so tests batch their variants here."""
-    groups = case_groups(world, tp, pp, cp=cp)
+    groups = case_groups(world, tp, pp, cp=cp, ep=ep, etp=etp, sequence_parallel=tp > 1 and ep > 1)
     out = []
     for knobs in variants:
         knobs = dict(knobs)
-        lay = dataclasses.replace(groups.layout, sequence_parallel=knobs.pop("sequence_parallel", False),
+        lay = dataclasses.replace(groups.layout, sequence_parallel=knobs.pop("sequence_parallel", groups.layout.sequence_parallel),
                                   distributed_optimizer=knobs.pop("distributed_optimizer", False))
         out.append(actor_case_result(dataclasses.replace(groups, layout=lay.validate()), **knobs))
     return out

@@ -79,9 +79,12 @@ def build_trainable(groups: ParallelGroups, spec: GPTSpec = TINY_SPEC, lr: float
 
 def gather_full_weights(module: torch.nn.Module, groups: ParallelGroups) -> Dict[str, torch.Tensor]:
     """Canonical fp32 CPU weights of the whole model on every rank (test-sized models only)."""
-    from megatron_stare.models.sharding import gather_canonical, unwrap
+    from megatron_stare.models.sharding import ExpertGroups, gather_canonical, num_local_experts, unwrap
 
-    mine = {n: t.float().cpu() for n, t in gather_canonical(unwrap(module), groups.tp_group, groups.layout.tp)}
+    lay, inner = groups.layout, unwrap(module)
+    experts = (ExpertGroups(groups.ep_group, lay.ep, groups.etp_group, lay.etp, num_local_experts(inner))
+               if num_local_experts(inner) else None)
+    mine = {n: t.float().cpu() for n, t in gather_canonical(inner, groups.tp_group, lay.tp, experts=experts)}
     if groups.layout.pp == 1:
         return mine
     parts = [None] * groups.layout.pp

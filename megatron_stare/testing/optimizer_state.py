@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from megatron_stare.models.sharding import local_params, unshard
+from megatron_stare.models.sharding import is_expert_param, local_params, unshard
 from megatron_stare.parallel import ParallelGroups
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -51,24 +51,41 @@ def gather_optimizer_state(optimizer, model: torch.nn.Module, groups: ParallelGr
     mine = {canon: _local_state(optimizer, p) for _, canon, p in local_params(model)}
     pieces = [None] * groups.layout.dp
     dist.all_gather_object(pieces, mine, group=groups.dp_group)
+    # Expert weights are sharded over the expert-data-parallel group, and each EP rank holds
+    # its own experts: their pieces come from that group, the other experts from the EP group.
+    lay = groups.layout
+    experts = any(is_expert_param(p) for _, _, p in local_params(model))
+    if experts:
+        expert_pieces = [None] * lay.edp
+        dist.all_gather_object(expert_pieces, mine, group=groups.edp_group)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for local, canon, p in local_params(model):
+        pieces_p = expert_pieces if is_expert_param(p) else pieces
         full = {}
         # Before the first step the moments do not exist yet (the same on every rank).
-        for k in (k for k in KEYS if any(k in part[canon] for part in pieces)):
+        for k in (k for k in KEYS if any(k in part[canon] for part in pieces_p)):
             flat = torch.full((p.numel(),), float("nan"))
-            for part in pieces:
+            for part in pieces_p:
                 if k in part[canon]:
                     start, end, t = part[canon][k]
                     flat[start:end] = t
             shard = flat.view(p.shape)
-            if groups.layout.tp > 1 and getattr(p, "tensor_model_parallel", False):
+            if is_expert_param(p) and lay.etp > 1 and getattr(p, "tensor_model_parallel", False):
+                dev = shard.to(p.device)
+                parts = [torch.empty_like(dev) for _ in range(lay.etp)]
+                dist.all_gather(parts, dev.contiguous(), group=groups.etp_group)
+                shard = unshard([t.cpu() for t in parts], p, local, glu=True)
+            elif not is_expert_param(p) and groups.layout.tp > 1 and getattr(p, "tensor_model_parallel", False):
                 dev = shard.to(p.device)  # NCCL gathers device tensors
                 parts = [torch.empty_like(dev) for _ in range(groups.layout.tp)]
                 dist.all_gather(parts, dev.contiguous(), group=groups.tp_group)
                 shard = unshard([t.cpu() for t in parts], p, local, glu=True)
             full[k] = shard
         out[canon] = full
+    if experts and lay.ep > 1:
+        ranks = [None] * lay.ep
+        dist.all_gather_object(ranks, out, group=groups.ep_group)
+        out = {k: v for r in ranks for k, v in r.items()}
     if groups.layout.pp > 1:
         stages = [None] * groups.layout.pp
         dist.all_gather_object(stages, out, group=groups.pp_group)

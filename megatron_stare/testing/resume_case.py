@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megatron_stare.algorithms.stare import StareController
-from megatron_stare.testing.actor_case import build_case_actor, case_groups, gather_full_model, synthetic_samples
+from megatron_stare.testing.actor_case import MOE_SPEC, build_case_actor, case_groups, gather_full_model, synthetic_samples
 from megatron_stare.testing.megatron_tiny import TINY_SPEC
 from megatron_stare.testing.optimizer_state import gather_optimizer_state
 
@@ -41,7 +41,7 @@ def _train_steps(actor, controller, first: int, last: int, root: Optional[Path],
         if root is not None and step + 1 == save_at:
             record["optimizer_state"] = gather_optimizer_state(actor.optimizer, actor.model, actor.groups)
             record["weights_at_save"] = gather_full_model(actor)
-            save_checkpoint(root, step + 1, actor=actor, groups=actor.groups, spec=TINY_SPEC,
+            save_checkpoint(root, step + 1, actor=actor, groups=actor.groups, spec=actor.spec,
                             trainer_state={"step": step + 1, "controller": controller.state_dict()})
 
 
@@ -69,19 +69,21 @@ def _break(kind: Optional[str]) -> None:
 def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1, steps: int = 4,
                     save_at: int = 2, distributed_optimizer: bool = True, dtype=torch.float32,
                     lr: float = 1e-4, break_load: Optional[str] = None, load_optimizer: bool = True,
-                    weights_seed: int = 0):
-    """See the module docstring. ``weights_seed`` sets the fresh actor's initial weights."""
+                    weights_seed: int = 0, ep: int = 1, moe: bool = False):
+    """See the module docstring. ``weights_seed`` sets the fresh actor's initial weights;
+    ``moe``: the tiny Qwen3-MoE (``MOE_SPEC``) with experts at ``ep``."""
     from megatron_stare.checkpoint import latest_complete, load_checkpoint
 
-    groups = case_groups(world, tp, 1, distributed_optimizer=distributed_optimizer)
-    actor, algo = build_case_actor(groups, lr=lr, dtype=dtype, weights_seed=weights_seed)
+    groups = case_groups(world, tp, 1, distributed_optimizer=distributed_optimizer, ep=ep)
+    spec = MOE_SPEC if moe else TINY_SPEC
+    actor, algo = build_case_actor(groups, lr=lr, dtype=dtype, weights_seed=weights_seed, spec=spec)
     controller = StareController(algo.stare)
     record: dict = {"steps": []}
     if phase == "full":
         _train_steps(actor, controller, 0, steps, Path(root), save_at, record)
     elif phase == "resume":
         _break(break_load)
-        state = load_checkpoint(latest_complete(root), actor=actor, groups=groups, spec=TINY_SPEC,
+        state = load_checkpoint(latest_complete(root), actor=actor, groups=groups, spec=spec,
                                 load_optimizer=load_optimizer)
         controller.load_state_dict(state["controller"])
         record["optimizer_state"] = gather_optimizer_state(actor.optimizer, actor.model, groups)

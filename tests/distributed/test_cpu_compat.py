@@ -181,3 +181,65 @@ def test_sequence_parallel_needs_norms_marked_for_the_tp_all_reduce():
     assert norm_diff(ours) <= 1e-6
     assert norm_diff(unmarked) > 1e-5, "norm weights trained right without the TP all-reduce"
     assert abs(ours["grad_norm"][0] - ref["grad_norm"][0]) <= 1e-5 * ref["grad_norm"][0]
+
+
+def _moe_step(rank, world, skip):
+    """One forward and backward of a tiny MoE model (SequentialMLP experts, alltoall dispatcher)
+    at EP = world, with the layer minus ``skip``; 'ok' or the error."""
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        import dataclasses
+
+        from megatron_stare.models.gpt import MoESpec
+        from megatron_stare.models.provider import build_model_stage
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.testing.megatron_tiny import TINY_SPEC
+
+        spec = dataclasses.replace(TINY_SPEC, num_layers=2, moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32,
+                                                                       layer_pattern=(1, 1)))
+        groups = init_distributed(ParallelLayout.from_world(world, ep=world))
+        model, _ = build_model_stage(spec, groups)
+        tokens = torch.randint(0, 200, (2, 8), generator=torch.Generator().manual_seed(rank))
+        out = model(tokens, torch.arange(8).unsqueeze(0).expand(2, 8), None)
+        out.float().square().mean().backward()
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("skip", ["moe_te_gemm", "moe_split_sizes", "streams", "current_device"])
+def test_moe_patch_is_needed(skip):
+    broken = run_on_ranks(_moe_step, 2, (skip,))
+    assert any(r != "ok" for r in broken), f"the MoE step worked without the {skip!r} patch"
+
+
+def test_moe_step_works_with_every_patch():
+    assert run_on_ranks(_moe_step, 2, ()) == ["ok", "ok"]
+
+
+def _uneven_gather(rank, world, skip):
+    """megatron's sequence-parallel gather with unequal row counts per rank (what the alltoall
+    dispatcher does at TP x ETP > 1) against the rows each rank holds."""
+    from megatron_stare.compat import cpu as cpu_compat
+
+    cpu_compat.apply(skip=skip)
+    try:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        from megatron_stare.parallel import ParallelLayout, init_distributed
+
+        groups = init_distributed(ParallelLayout.from_world(world, tp=world))
+        sizes = [3, 5]
+        mine = torch.full((sizes[rank], 2), float(rank + 1))
+        got = gather_from_sequence_parallel_region(mine, group=groups.tp_group, output_split_sizes=sizes)
+        want = torch.cat([torch.full((n, 2), float(r + 1)) for r, n in enumerate(sizes)])
+        return "ok" if torch.equal(got, want) else "wrong"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def test_uneven_gather_patch_is_needed():
+    assert any(r != "ok" for r in run_on_ranks(_uneven_gather, 2, ("uneven_gather",)))
+    assert run_on_ranks(_uneven_gather, 2, ()) == ["ok", "ok"]

@@ -61,10 +61,13 @@ class Trainer:
     """Builds every part from the config, then ``fit()`` runs the steps."""
 
     def __init__(self, cfg: Config, preemption: Optional[Preemption] = None, console: Optional[Console] = None):
+        from transformers import AutoTokenizer
+
         from megatron_stare.actor import ActorSettings, MegatronActor
         from megatron_stare.algorithms.gepo import GepoShaper
         from megatron_stare.algorithms.off_policy import run_off_policy
         from megatron_stare.algorithms.stare import StareController
+        from megatron_stare.data import load_run_data
         from megatron_stare.metrics import MetricsLogger, Timer
         from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
         from megatron_stare.parallel import ParallelLayout, init_distributed
@@ -107,8 +110,9 @@ class Trainer:
         self.offload.offload()  # before the engine starts: it sizes its memory from what is free
         self.controller = StareController(cfg.algorithm.stare)
         self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
-        self.tokenizer = self._tokenizer(hf_dir)
-        self.train_set, self.eval_set, self.sampler = self._data()
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        self.train_set, self.eval_set, self.sampler = load_run_data(cfg.data, cfg.trainer.prompts_per_step,
+                                                                    self.tokenizer)
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
         self.phases_run: list = []  # this step's phases, in the order they ran
         self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
@@ -334,22 +338,9 @@ class Trainer:
         if not self.cfg.rollout.verify_sync:
             self.engine.update_weights_from_buckets(buckets)
             return
-        from megatron_stare.weight_sync import Assembler, compare_checksums, tensor_checksum
+        from megatron_stare.weight_sync import update_verified
 
-        expected, joined = {}, Assembler()
-        def watched():
-            for bucket in buckets:
-                for name, tensor in joined.feed(bucket):
-                    expected[name] = tensor_checksum(tensor)
-                yield bucket
-            joined.close()
-
-        self.engine.update_weights_from_buckets(watched())
-        bad = compare_checksums(expected, self.engine.checksum(sorted(expected)))
-        if bad:
-            raise RuntimeError(f"weight sync: the {self.engine.name} engine does not hold the trainer's "
-                               f"weights for {len(bad)} of {len(expected)} tensors (first: {bad[0]})")
-        self.verified_tensors = len(expected)
+        self.verified_tensors = update_verified(self.engine, buckets)  # checksums on both sides
 
     def evaluate(self, step: int) -> dict:
         """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
@@ -427,20 +418,6 @@ class Trainer:
             raise ConfigError("model.format=megatron: start from an HF directory and use checkpoint.resume "
                               "for Megatron checkpoints")
         return m.path
-
-    def _tokenizer(self, hf_dir: str):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(hf_dir)
-
-    def _data(self):
-        from megatron_stare.data import PromptSampler, load_prompts
-
-        d, t = self.cfg.data, self.cfg.trainer
-        train = load_prompts(d.train_path, d, self.tokenizer)
-        ev = load_prompts(d.eval_path, d, self.tokenizer) if d.eval_path else None
-        sampler = PromptSampler(len(train), t.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
-        return train, ev, sampler
 
     def close(self) -> None:
         if self._owns_preemption:

@@ -8,7 +8,7 @@ everything outside imports the names below, nothing private."""
 from .bucket import (ALIGN_BYTES, HEADER_VERSION, Assembler, FlatBucket, StagingBuffer, TensorMeta, decode_header,
                      assemble, dtype_from_name, dtype_name, encode_header, iter_buckets, iter_flat_buckets,
                      pack_stream)
-from .checksum import TensorChecksum, compare_checksums, tensor_checksum
+from .checksum import TensorChecksum, compare_checksums, tensor_checksum, update_verified
 from .groups import PeerCalls, form_group, free_port, init_named_weight_group, push_to_group, route_address
 from .transport import (InProcessTransport, PeakMemory, ProcessGroupReceiver, ProcessGroupSender,
                         SyncStats)
@@ -20,4 +20,5 @@ __all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "InProces
            "TensorMeta", "assemble", "compare_checksums", "decode_header", "dtype_from_name", "dtype_name",
            "encode_header", "form_group", "free_port", "group_link", "group_link_async", "init_named_weight_group", "isend_link",
            "iter_buckets", "iter_flat_buckets", "pack_stream", "push_to_group", "recv_bucket", "recv_link",
-           "route_address", "send_bucket", "send_bucket_async", "send_each", "send_end", "send_link", "tensor_checksum"]
+           "route_address", "send_bucket", "send_bucket_async", "send_each", "send_end", "send_link", "tensor_checksum",
+           "update_verified"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .bucket import dtype_name
+from .bucket import Assembler, dtype_name
 
 __all__ = ["TensorChecksum", "compare_checksums", "tensor_checksum"]
 
@@ -77,3 +77,26 @@ def compare_checksums(expected: Dict[str, TensorChecksum], got: Dict[str, Option
               or abs(g.sumsq - e.sumsq) > rtol * max(1.0, abs(e.sumsq))):
             bad.append(name)
     return bad
+
+
+def update_verified(engine: Any, buckets: Iterable) -> int:
+    """Stream ``buckets`` into ``engine`` (``update_weights_from_buckets``) while checksumming
+    every tensor they carry (pieces joined first), then compare with the engine's own checksums
+    of the same names. Returns the number of tensors that matched; a mismatch is one
+    ``RuntimeError`` line naming the engine, the count and the first tensor."""
+    expected: Dict[str, TensorChecksum] = {}
+    joined = Assembler()
+
+    def watched():
+        for bucket in buckets:
+            for name, tensor in joined.feed(bucket):
+                expected[name] = tensor_checksum(tensor)
+            yield bucket
+        joined.close()
+
+    engine.update_weights_from_buckets(watched())
+    bad = compare_checksums(expected, engine.checksum(sorted(expected)))
+    if bad:
+        raise RuntimeError(f"weight sync: the {engine.name} engine does not hold the trainer's "
+                           f"weights for {len(bad)} of {len(expected)} tensors (first: {bad[0]})")
+    return len(expected)

@@ -187,7 +187,7 @@ def _check_schedule(cfg: Config) -> None:
                                      f"(algorithm.adv_estimator={a.adv_estimator}), got {cfg.rollout.n}")
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
     _check_staleness(cfg)
-    for name in ("save_every", "hf_export_every"):
+    for name in ("save_every", "save_every_minutes", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
                  f"set checkpoint.dir or checkpoint.{name}=0")

@@ -69,6 +69,7 @@ from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.phases import EngineMemory, Phase
 from megatron_stare.rollout.spec import ENGINE_TRAITS
+from megatron_stare.save_estimate import estimate_save
 
 GiB = float(2**30)
 PHASES = tuple(p.name for p in STEP_PHASES)
@@ -482,6 +483,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(plan.format())
+    nodes = max(1, args.world_size // max(1, int(os.environ.get("GPUS_PER_NODE", "8"))))
+    print(estimate_save(param_counts(hf_config).total, nodes, bf16=cfg.model.dtype == "bfloat16").format())
     return 0 if plan.fits else 3
 
 

@@ -5,7 +5,7 @@ Layout independence comes from Megatron's sharded state dict: every tensor is sa
 global shape and this rank's offset, so loading re-slices for the new layout (the vocabulary
 padding, which depends on TP, is re-padded with zeros: Megatron marks embeddings
 ``allow_shape_mismatch``). The default strategy is ``torch_dist`` (torch.distributed.checkpoint),
-wrapped in megatron-core's fully-parallel save wrapper so data-parallel replicas split the
+wrapped in megatron-core's fully-parallel save wrapper over DP x CP so the replicas split the
 writing; both work on CPU/gloo.
 
 Optimizer state (``save_optimizer`` / ``load_optimizer``) goes through Megatron's sharded
@@ -146,12 +146,13 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
     dist.barrier()
     start_writer_results_queue()
     strategy = get_default_save_sharded_strategy()
-    if fully_parallel and groups.layout.dp > 1:
+    # Over DP x CP, as Megatron's own training does: context-parallel ranks hold replicas too.
+    if fully_parallel and groups.layout.dp * groups.layout.cp > 1:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelSaveStrategyWrapper,
         )
 
-        strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_group)
+        strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_cp_group)
     dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=strategy)
     if dist.get_rank() == 0:
         for name, src in (extra_files or {}).items():

@@ -6,7 +6,8 @@ A checkpoint is a directory ``<dir>/step_<N>/``:
   (``models.dist_ckpt``), loadable at any TP/PP/DP layout and by ``checkpoints_convert``;
 - ``optimizer/``: Megatron's sharded optimizer state (Adam moments, fp32 main params of bf16
   weights, step) and the LR schedule, also a distributed checkpoint. The plain optimizer's state
-  loads at any layout; the distributed optimizer's at any DP degree with the same TP/PP;
+  loads at any layout; the distributed optimizer's too (megatron-core's ``fully_reshardable``
+  format; older ``dp_reshardable`` saves at any DP degree with the saved TP/PP);
 - ``rank_<r>.pt``: this rank's RNG states (torch CPU/CUDA, Python, NumPy, Megatron's tracker)
   and its layout. They are restored only at the saved layout (elsewhere the RNG streams differ
   by construction, and the run says so);

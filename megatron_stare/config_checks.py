@@ -203,7 +203,7 @@ def _check_schedule(cfg: Config) -> None:
     _require(not t.eval_every or cfg.data.eval_path is not None, "trainer.eval_every > 0 needs data.eval_path")
     _check_staleness(cfg)
     _check_offload(cfg)
-    for name in ("save_every", "hf_export_every"):
+    for name in ("save_every", "save_every_minutes", "hf_export_every"):
         _require(not getattr(c, name) or c.dir is not None,
                  f"checkpoint.{name}={getattr(c, name)} needs checkpoint.dir (where they are written); "
                  f"set checkpoint.dir or checkpoint.{name}=0")

@@ -231,6 +231,9 @@ class CheckpointConfig:
     """Where checkpoints (and HF exports) go; null = no checkpoints."""
     save_every: int = num(0, ge=0)
     """Steps between checkpoints, >= 0; 0 = only at the end (needs dir)."""
+    save_every_minutes: float = num(0.0, ge=0)
+    """Minutes (rank 0's clock) after which the next step boundary saves, >= 0; 0 = off (needs dir).
+    Combines with ``save_every``: either one triggers a save, and every save restarts the clock."""
     keep_last: int = num(3, ge=1)
     """Checkpoints kept, >= 1 (older ones are deleted)."""
     resume: str = "auto"

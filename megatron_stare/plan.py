@@ -76,6 +76,7 @@ from megatron_stare.plan_sync import SyncStaging, sync_staging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.phases import EngineMemory, Phase
 from megatron_stare.rollout.spec import ENGINE_TRAITS
+from megatron_stare.save_estimate import estimate_save
 
 GiB = float(2**30)
 PHASES = tuple(p.name for p in STEP_PHASES)
@@ -607,6 +608,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(plan.format())
     print(f"not checked here (dry run): {', '.join(DRY_RUN_SKIPPED)}; the trainer and "
           f"`python -m megatron_stare.config` check them where the run's files are")
+    nodes = max(1, args.world_size // max(1, int(os.environ.get("GPUS_PER_NODE", "8"))))
+    print(estimate_save(param_counts(hf_config).total, nodes, bf16=cfg.model.dtype == "bfloat16").format())
     return 0 if plan.fits else 3
 
 

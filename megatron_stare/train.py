@@ -55,6 +55,7 @@ from megatron_stare.reaper import install as install_reaper
 from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
+from megatron_stare.save_schedule import SaveClock
 
 
 class Trainer:
@@ -114,6 +115,7 @@ class Trainer:
         self.train_set, self.eval_set, self.sampler = load_run_data(cfg.data, cfg.trainer.prompts_per_step,
                                                                     self.tokenizer)
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
+        self.save_clock = SaveClock(cfg.checkpoint.save_every_minutes)  # rank 0's clock decides
         self.phases_run: list = []  # this step's phases, in the order they ran
         self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
         # Every rank scores its share of each batch (rewards/sharded.py); the engine's spec
@@ -209,7 +211,8 @@ class Trainer:
         self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
         c = cfg.checkpoint
         last = step + 1 == cfg.trainer.total_steps
-        if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last):
+        if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last
+                      or self.save_clock.due(device=self.groups.device)):
             self.save(step + 1)
         if c.hf_export_every and (step + 1) % c.hf_export_every == 0:
             self.export_hf(step + 1)
@@ -379,6 +382,7 @@ class Trainer:
                 trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
                 hf_config=load_hf_config(self._hf_dir()), hf_dir=self._hf_dir()))
         self.saved_step = step
+        self.save_clock.saved()
 
     def _resume(self) -> None:
         from megatron_stare.checkpoint import latest_complete, load_checkpoint

@@ -5,14 +5,18 @@ Layout independence comes from Megatron's sharded state dict: every tensor is sa
 global shape and this rank's offset, so loading re-slices for the new layout (the vocabulary
 padding, which depends on TP, is re-padded with zeros: Megatron marks embeddings
 ``allow_shape_mismatch``). The default strategy is ``torch_dist`` (torch.distributed.checkpoint),
-wrapped in megatron-core's fully-parallel save wrapper so data-parallel replicas split the
+wrapped in megatron-core's fully-parallel save wrapper over DP x CP so the replicas split the
 writing; both work on CPU/gloo.
 
 Optimizer state (``save_optimizer`` / ``load_optimizer``) goes through Megatron's sharded
 optimizer state too, beside the LR schedule. Megatron's plain optimizers key every Adam moment
 (and bf16's fp32 main params) by its model parameter, so their state loads at any TP/PP/DP layout.
-The distributed optimizer uses sharding type ``dp_reshardable`` (one tensor per gradient bucket,
-fully parallel, no gather): its state loads at any DP degree with the same TP/PP. After loading
+The distributed optimizer saves in megatron-core's ``fully_reshardable`` format: each parameter's
+fp32 main param and moments in model space (the parameter's own shape and TP/PP sharding), so
+its state loads at any TP/PP/DP layout. The DP shards are gathered over the DP group before the
+write (no gather at DP1) and the DP ranks split the writing. Checkpoints of the earlier
+``dp_reshardable`` format (one tensor per gradient bucket) still load at any DP degree with the
+saved TP/PP. After loading
 weights, ``load_optimizer`` and ``reload_main_params`` keep the fp32 main params in step with them.
 
 Atomicity: ranks write into ``<parent>/.<name>.partial``; after Megatron's final barrier rank 0
@@ -23,6 +27,7 @@ Megatron's ``metadata.json`` is a torn save and is refused on load with one clea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -145,12 +150,13 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
     dist.barrier()
     start_writer_results_queue()
     strategy = get_default_save_sharded_strategy()
-    if fully_parallel and groups.layout.dp > 1:
+    # Over DP x CP, as Megatron's own training does: context-parallel ranks hold replicas too.
+    if fully_parallel and groups.layout.dp * groups.layout.cp > 1:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelSaveStrategyWrapper,
         )
 
-        strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_group)
+        strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_cp_group)
     dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=strategy)
     if dist.get_rank() == 0:
         for name, src in (extra_files or {}).items():
@@ -216,8 +222,10 @@ def load_model(model: torch.nn.Module, ckpt_dir: PathLike, spec: Optional[GPTSpe
     return meta
 
 
-#: The distributed optimizer's checkpoint format: bucket-sharded, reshardable across DP.
-DISTRIBUTED_OPTIMIZER_SHARDING = "dp_reshardable"
+#: The distributed optimizer's checkpoint format: model space, reshardable at any TP/PP/DP.
+DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
+#: Sharding types of older saves that load only at the saved TP/PP (any DP).
+DP_ONLY_SHARDINGS = ("dp_reshardable",)
 
 
 def optimizer_format(optimizer) -> str:
@@ -231,9 +239,10 @@ def optimizer_format(optimizer) -> str:
     return "model_space"
 
 
-def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading: bool) -> dict:
+def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading: bool,
+                                  sharding: str = DISTRIBUTED_OPTIMIZER_SHARDING) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING}
+    metadata = {"distrib_optim_sharding_type": sharding}
     return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
 
 
@@ -255,11 +264,12 @@ def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: Pa
     """ValueError (one line) when optimizer state saved as ``meta`` cannot load into an optimizer
     of format ``fmt`` (``optimizer_format``) at ``layout``."""
     saved = meta.extra.get("optimizer_format")
-    if saved != fmt:
+    if str(saved).split(":")[0] != fmt.split(":")[0]:
         raise ValueError(f"optimizer state in {where} was saved as {saved!r}, this run uses {fmt!r}; "
                          f"set parallel.distributed_optimizer as when it was saved")
     old = meta.saved_layout
-    if fmt.startswith("distributed:") and (old.get("tp"), old.get("pp")) != (layout.tp, layout.pp):
+    if (saved_sharding(meta) in DP_ONLY_SHARDINGS
+            and (old.get("tp"), old.get("pp")) != (layout.tp, layout.pp)):
         raise ValueError(f"distributed-optimizer state in {where} was saved at tp={old.get('tp')} "
                          f"pp={old.get('pp')}; it loads at any DP degree but needs the same tp/pp "
                          f"(this run: tp={layout.tp} pp={layout.pp})")
@@ -270,6 +280,12 @@ def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: Pa
         raise ValueError(f"optimizer state in {where} was saved at ep={experts[0]} etp={experts[1]}; "
                          f"it needs the same ep/etp (this run: ep={layout.ep} etp={layout.etp}); resume the "
                          f"weights only (load_optimizer=False) to change them")
+
+
+def saved_sharding(meta: CheckpointMeta) -> Optional[str]:
+    """The distributed optimizer's sharding type recorded in ``meta`` (None for plain ones)."""
+    fmt = str(meta.extra.get("optimizer_format"))
+    return fmt.split(":", 1)[1] if fmt.startswith("distributed:") else None
 
 
 def reload_main_params(optimizer) -> None:
@@ -326,6 +342,35 @@ def _allocate_torch_adam_state(optimizer) -> None:
                     inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
+@contextlib.contextmanager
+def _keep_adam_steps(optimizer):
+    """Let megatron-core's ``fully_reshardable`` load run on the torch-Adam path.
+
+    megatron-core 0.16.1's ``load_parameter_state_from_fully_reshardable`` hands
+    ``_set_main_param_and_optimizer_states`` the loaded tensors without Adam's ``step`` (it is
+    saved in the param groups), which then copies every entry of the parameter's state, ``step``
+    included, and fails with ``KeyError: 'step'``. While loading, a missing ``step`` is the
+    parameter's current one (copied onto itself); ``_restore_adam_steps`` then sets the saved count.
+    """
+    patched = []
+    for opt, _ in _torch_adams(optimizer):
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, _opt=opt, _original=original):
+            current = _opt._get_main_param_and_optimizer_states(model_param)
+            if "step" in current and "step" not in tensors:
+                tensors = {**tensors, "step": current["step"]}
+            _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
 def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,
                    ckpt_dir: PathLike) -> CheckpointMeta:
     """Load the state ``save_optimizer`` wrote into ``optimizer`` and ``scheduler`` (collective).
@@ -337,12 +382,14 @@ def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     check_optimizer_compatible(meta, optimizer_format(optimizer), groups.layout, ckpt_dir)
     reload_main_params(optimizer)
     _allocate_torch_adam_state(optimizer)
-    request = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=True),
+    sharding = saved_sharding(meta) or DISTRIBUTED_OPTIMIZER_SHARDING
+    request = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=True,
+                                                          sharding=sharding),
                "scheduler": scheduler.state_dict()}
     loaded = load_sharded(request, ckpt_dir)
     # With fp32 params the distributed optimizer's main params are views of the (grad-requiring)
-    # weights, which megatron-core's dp_reshardable load copies into in place.
-    with torch.no_grad():
+    # weights, which megatron-core's parameter-state loads copy into in place.
+    with torch.no_grad(), _keep_adam_steps(optimizer):
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])

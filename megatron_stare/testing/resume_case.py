@@ -51,8 +51,8 @@ def _break(kind: Optional[str]) -> None:
     if kind == "param_state":
         request = dist_ckpt._optimizer_sharded_state_dict
 
-        def without_param_state(optimizer, model, is_loading):
-            state = request(optimizer, model, is_loading)
+        def without_param_state(optimizer, model, is_loading, **kw):
+            state = request(optimizer, model, is_loading, **kw)
             if is_loading:
                 state.pop("param_state")  # the moments and fp32 main params stay unread
             return state
@@ -66,7 +66,7 @@ def _break(kind: Optional[str]) -> None:
         raise ValueError(f"unknown break_load {kind!r}")
 
 
-def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1, steps: int = 4,
+def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1, pp: int = 1, steps: int = 4,
                     save_at: int = 2, distributed_optimizer: bool = True, dtype=torch.float32,
                     lr: float = 1e-4, break_load: Optional[str] = None, load_optimizer: bool = True,
                     weights_seed: int = 0, ep: int = 1, moe: bool = False):
@@ -74,7 +74,7 @@ def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1
     ``moe``: the tiny Qwen3-MoE (``MOE_SPEC``) with experts at ``ep``."""
     from megatron_stare.checkpoint import latest_complete, load_checkpoint
 
-    groups = case_groups(world, tp, 1, distributed_optimizer=distributed_optimizer, ep=ep)
+    groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer, ep=ep)
     spec = MOE_SPEC if moe else TINY_SPEC
     actor, algo = build_case_actor(groups, lr=lr, dtype=dtype, weights_seed=weights_seed, spec=spec)
     controller = StareController(algo.stare)

@@ -264,3 +264,27 @@ def test_data_parallel_replicas_export_and_save(tmp_path):
     for rank, r in enumerate(res):
         assert r["all"] and r["dst1"] and r["ckpt"], (rank, r)
     assert any(f.startswith("__1_") for f in res[0]["files"])  # rank 1 wrote part of it
+
+
+def _cp2_save_worker(rank, world, path, ckpt):
+    from megatron_stare.models.dist_ckpt import load_model, save_model
+    from megatron_stare.models.provider import build_from_hf, build_model_stage
+    from megatron_stare.parallel import ParallelLayout, init_distributed
+
+    groups = init_distributed(ParallelLayout.from_world(world, cp=2))  # dp = 1
+    model, spec, _ = build_from_hf(path, groups)
+    save_model(model, groups, ckpt, spec)  # fully parallel over DP x CP: both CP ranks write
+    m2, _ = build_model_stage(spec, groups)
+    load_model(m2, ckpt, spec)
+    a, b = model.state_dict(), m2.state_dict()
+    same = all(torch.equal(t, b[k]) for k, t in a.items() if isinstance(t, torch.Tensor))
+    return {"same": same, "sizes": {p.name: p.stat().st_size for p in Path(ckpt).glob("*.distcp")}}
+
+
+def test_context_parallel_ranks_split_the_save(tmp_path):
+    path = build_tiny_hf_model("qwen2", tmp_path / "m", seed=9)
+    res = run_on_ranks(_cp2_save_worker, 2, str(path), str(tmp_path / "ckpt"))
+    assert all(r["same"] for r in res)
+    sizes = res[0]["sizes"]
+    mine = lambda r: sum(s for n, s in sizes.items() if n.startswith(f"__{r}_"))  # noqa: E731
+    assert min(mine(0), mine(1)) > 0.25 * (mine(0) + mine(1)), sizes  # both wrote a real share

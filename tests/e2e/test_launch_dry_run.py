@@ -80,6 +80,7 @@ def test_32b_dry_run_fits_on_4_nodes(run):
     out = res.stdout
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
     assert "vllm on the trainer's GPUs, engine tp 8 -> 4 instances" in out and "fits" in out
+    assert "checkpoint save: 427 GiB, about 91 s" in out  # 4 nodes (tests/unit/test_save_estimate.py)
     print(out)
 
 

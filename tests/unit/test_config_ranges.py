@@ -170,6 +170,7 @@ def test_stare_roles(files):
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator must be one of"),
     (["checkpoint.hf_export_every=5"], "checkpoint.hf_export_every=5 needs checkpoint.dir"),
     (["checkpoint.save_every=5"], "checkpoint.save_every=5 needs checkpoint.dir"),
+    (["checkpoint.save_every_minutes=30"], "checkpoint.save_every_minutes=30.0 needs checkpoint.dir"),
     (["reward.overlong_buffer_len=512"], "reward.overlong_buffer_len=512 must be below rollout.max_new_tokens"),
     (["parallel.micro_batch_tokens=1000"], "parallel.micro_batch_tokens=1000 is below the longest sequence"),
     (["data.max_prompt_length=4000"], "exceeds the model's max_position_embeddings 4096"),

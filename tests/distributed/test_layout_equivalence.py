@@ -1,7 +1,7 @@
 """A tiny Qwen2-style Megatron model trained 3 Adam steps with Megatron's DDP, optimizer and
 pipeline schedule gives the same losses, grad norms and final logits at every layout as in
 one process (fp32, max abs diff <= 1e-6); also with sequence parallel and the distributed
-optimizer (losses and grad norms within 1e-5 relative, weights within 1e-6)."""
+optimizer (losses and grad norms within 1e-5 relative, weights within 1% of Adam's largest movement)."""
 
 import pytest
 
@@ -11,6 +11,12 @@ from megatron_stare.testing.megatron_tiny import CLUSTER_LAYOUT_IDS, CLUSTER_LAY
 pytestmark = pytest.mark.distributed
 
 STEPS, MICRO = 3, 2
+#: Weights after STEPS Adam steps under SP / the distributed optimizer: their reductions run in
+#: another order, and Adam's normalised update m / (sqrt(v) + eps) of an element whose gradient
+#: is at round-off level can move by a sizeable share of lr per step. 1e-6 held on AVX2 hosts;
+#: AVX-512 kernels (a different summation order) gave 1.1e-6 with lr 1e-4. 1% of the largest
+#: possible movement (lr * STEPS = 3e-4) still catches any wrong gradient (see the miswire test).
+WEIGHT_ATOL = 0.01 * 1e-4 * STEPS
 
 
 @pytest.fixture(scope="module")
@@ -55,5 +61,5 @@ def test_sequence_parallel_and_distributed_optimizer_match_single_process(refere
             assert abs(a - b) <= 1e-5 * abs(a), (reference["loss"], got["loss"], reference["grad_norm"], got["grad_norm"])
         for name, w in reference["weights"].items():
             diff = (w - got["weights"][name]).abs().max().item()
-            assert diff <= 1e-6, f"{name} differs by {diff}"
+            assert diff <= WEIGHT_ATOL, f"{name} differs by {diff}"
         assert (reference["logits"] - got["logits"]).abs().max().item() <= 1e-6

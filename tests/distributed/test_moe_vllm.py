@@ -23,8 +23,9 @@ def _export(rank, world, src, dst):
                         side_files_dir=src)
 
 
-def test_vllm_serves_the_exported_moe_checkpoint(tmp_path):
+def test_vllm_serves_the_exported_moe_checkpoint(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
     import transformers
     from vllm import LLM, SamplingParams
 
@@ -35,7 +36,10 @@ def test_vllm_serves_the_exported_moe_checkpoint(tmp_path):
     out = tmp_path / "exported"
     run_on_ranks(_export, 2, str(src), str(out))
     prompt = [5, 17, 42, 99, 7]
-    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
+    # On CPU vLLM reads gpu_memory_utilization as a share of the host's RAM: an explicit small KV
+    # cache (what rollout.cpu_kv_cache_gb passes) and a small share keep it within a CI machine.
+    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
+              gpu_memory_utilization=0.2, kv_cache_memory_bytes=256 << 20)
     try:
         got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.0))
         tokens = list(got[0].outputs[0].token_ids)

@@ -81,7 +81,7 @@ def test_round_trip_under_torchrun_tp2_then_pp2(hf, tmp_path):
     _run(["checkpoints_convert.hf_to_megatron", "--hf-dir", str(hf["qwen2"]), "--out", str(ckpt),
           "--tp", "2"], torchrun=True)
     meta = json.loads((ckpt / "megatron_stare.json").read_text())
-    assert meta["saved_layout"] == {"tp": 2, "pp": 1, "dp": 1}
+    assert meta["saved_layout"] == {"tp": 2, "pp": 1, "dp": 1, "ep": 1, "etp": 1}
     _run(["checkpoints_convert.megatron_to_hf", "--ckpt", str(ckpt), "--out", str(out), "--pp", "2",
           "--shard-size", "200KB", "--hf-config-dir", str(hf["qwen2"])], torchrun=True)
     _assert_same_model(hf["qwen2"], out)

@@ -413,7 +413,8 @@ def test_vllm_engine_run_syncs_and_resumes_exactly(assets, uninterrupted_vllm, t
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     assert all(r["mismatch/mean_abs_logp"] < 1e-4 and r["mismatch/max_abs_logp"] < 1e-4 for r in full)
     # Without VLLM_CPU_KVCACHE_SPACE each engine got the explicit default, not vLLM's "Auto set".
-    log = (uninterrupted_vllm / "stdout.txt").read_text() + (uninterrupted_vllm / "stderr.txt").read_text()
+    # vLLM's INFO lines go to the console's log files (console.py), every rank's.
+    log = "".join(p.read_text() for p in sorted((uninterrupted_vllm / "logs").glob("console*.log")))
     sizes = [float(g) for g in re.findall(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", log)]
     assert len(sizes) == 2 and all(0 < g <= vllm_cpu.DEFAULT_CAP_GB + 0.01 for g in sizes), log[-3000:]
     assert "Auto set" not in log

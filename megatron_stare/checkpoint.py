@@ -144,12 +144,12 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
         if dist.get_rank() == 0:
             (tmp / STATE).write_text(json.dumps(trainer_state, indent=1, default=_json_default))
     except SAVE_ERRORS as e:  # a full disk, a permission, a file-system error (megatron wraps them)
-        problem = _cause(e)
+        problem = _cause(e, root)
     _save_agreed(problem, root, tmp, step)  # the barrier before the manifest, too
     try:
         write_manifest(tmp, step)  # every rank hashes its share; rank 0 writes COMPLETE
     except SAVE_ERRORS as e:
-        problem = _cause(e)
+        problem = _cause(e, root)
     _save_agreed(problem, root, tmp, step)
     if dist.get_rank() == 0:
         if final.exists():
@@ -171,16 +171,30 @@ _FIXES = {errno.ENOSPC: "free space on its file system or set checkpoint.dir to 
           errno.EROFS: "set checkpoint.dir to a writable file system"}
 
 
-def _cause(e: BaseException) -> str:
+def _cause(e: BaseException, root: Optional[Path] = None) -> str:
     """``Type: first line``, and the OS error inside (megatron-core's and torch's wrappers bury
-    ``[Errno 28] No space left on device`` in a worker's traceback or the exception chain)."""
+    ``[Errno 28] No space left on device`` in a worker's traceback, the exception chain or a
+    ``CheckpointException``'s per-rank failures). A full disk does not always surface as an
+    errno (a zip writer reports ``unexpected pos ...``): with no errno found and the file system
+    of ``root`` (nearly) full, the cause is named as ENOSPC, with the free bytes."""
     first = str(e).splitlines()[0][:200] if str(e) else ""
-    chain, x = [], e
-    while x is not None and len(chain) < 8:
-        chain.append(str(x))
-        x = x.__cause__ or x.__context__
+    chain, todo = [], [e]
+    while todo and len(chain) < 32:
+        x = todo.pop(0)
+        chain.append(f"{type(x).__name__}: {x}")
+        todo += [f[0] for f in (getattr(x, "failures", None) or {}).values() if isinstance(f, tuple) and f]
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
     found = re.search(r"\[Errno \d+\][^\n]*", "\n".join(chain))
     inner = found.group(0)[:200] if found and found.group(0) not in first else ""
+    if not found and root is not None:
+        try:
+            usage = shutil.disk_usage(root)
+        except OSError:
+            usage = None
+        if usage is not None and usage.free < max(64 << 20, usage.total // 1000):
+            inner = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: {usage.free} bytes free on its file system"
+    if not inner and len(chain) > 1:  # name what the wrapper wraps
+        inner = chain[1].splitlines()[0][:200]
     return f"{type(e).__name__}: {first}" + (f" ({inner})" if inner else "")
 
 

@@ -29,9 +29,8 @@ batches of the next k steps generate in a worker thread while this step trains (
 before the sync, and a sample is at most k policy versions old. With k = 0 ``fit`` runs exactly
 ``step``.
 
-Between steps the ranks agree whether a preemption signal (SIGTERM, SIGUSR1, SIGINT) arrived; if so
-the run saves the finished step and exits 75 (130 on Ctrl-C, ``preemption.py``); reruns resume exactly.
-Exit codes: 0 done, 2 user error (one line), 75 preempted after saving, 130 Ctrl-C, else a failure.
+On a preemption signal (SIGTERM, SIGUSR1, SIGINT) the ranks save at the step boundary (``preemption.py``).
+Exit codes: 0 done, 2 user error, 75 preempted after saving, 130 Ctrl-C (saved), else a failure.
 """
 
 from __future__ import annotations
@@ -199,8 +198,7 @@ class Trainer:
         if job is not None:
             metrics.update(self.rollouts.step_metrics(step, job, samples, train_start, train_end))
         if stats.mismatch_mean is not None:
-            metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean,
-                            "mismatch/max_abs_logp": stats.mismatch_max})
+            metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean, "mismatch/max_abs_logp": stats.mismatch_max})
         if stats.ratio_masked_frac is not None:
             metrics["mismatch/ratio_masked_frac"] = stats.ratio_masked_frac
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
@@ -209,8 +207,7 @@ class Trainer:
         metrics.update(self.timer.metrics())
         metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
         self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
-        c = cfg.checkpoint
-        last = step + 1 == cfg.trainer.total_steps
+        c, last = cfg.checkpoint, step + 1 == cfg.trainer.total_steps
         if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last
                       or self.save_clock.due(device=self.groups.device)):
             self.save(step + 1)

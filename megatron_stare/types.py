@@ -33,6 +33,10 @@ class Sample:
     loss_mask: Optional[List[int]] = None
     """Per response token: 1 trained on (the model's tokens), 0 not (a multi-turn trajectory's
     tool / environment tokens, which still go through the forward pass). None: all 1."""
+    routed_experts: Optional[Tensor] = None
+    """MoE routing replay: ``[n, num_moe_layers, topk]`` int16, the experts chosen for the last
+    ``n`` of the sample's ``num_tokens - 1`` input positions (``GenerationResult.routed_experts``);
+    None: the trainer routes itself."""
 
     @property
     def num_tokens(self) -> int:

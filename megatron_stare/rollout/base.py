@@ -112,6 +112,10 @@ class GenerationResult:
     ``versions``: ``[T]`` the policy version that produced each token, set by partial rollouts
     (``rollout/partial.py``), whose responses can span a weight update; None when one version
     produced the whole response.
+    ``routed_experts``: ``[n, num_moe_layers, topk]`` int16, the experts the engine's router chose
+    for the last ``n`` tokens the engine ran (``n = P + T - 1`` with the prompt's prefill, ``T``
+    for the response only; the last sampled token is never run), for routing replay (MoE models,
+    ``rollout.routing_replay=r3``); None when the engine does not return it.
     """
 
     prompt_index: int
@@ -120,6 +124,7 @@ class GenerationResult:
     logprobs: Tensor
     finish_reason: str
     versions: Optional[List[int]] = None
+    routed_experts: Optional[Tensor] = None
 
     def __post_init__(self):
         if self.finish_reason not in ("stop", "length"):

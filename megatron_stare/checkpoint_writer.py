@@ -14,6 +14,9 @@ builtin in that module only; ``install()``):
   each file front to back (``_write_item`` through a write-only ``NoCloseWriter``; ``tell`` only):
   should any other file method be used (``seek``, ...), no sidecar is written and the file is
   read back as before. Verification on load reads the files themselves (the sidecars are gone).
+- **Writers ignore the preemption signals** torchrun sends to the rank's process group (which
+  they share): they would run the rank's recording handlers otherwise, or raise
+  ``KeyboardInterrupt`` mid-write on a second Ctrl-C.
 - **No writer outlives its rank.** A forked process does not carry the reaper's mark
   (``reaper.py`` finds processes by their environment *at exec*, which a fork shares with its
   parent's exec), so each writer asks the kernel to SIGKILL it when its parent dies
@@ -89,8 +92,11 @@ def written_sha256(path: Path) -> Optional[str]:
 
 
 def die_with_parent() -> None:
-    """In a forked child: SIGKILL this process when the parent that forked it dies (Linux);
+    """In a forked writer: ignore the preemption signals (the rank decides: it waits for its
+    writers, then stops) and be SIGKILLed when the parent that forked this process dies (Linux);
     exit at once if that parent is gone already."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -42,14 +42,14 @@ _SCRIPT = textwrap.dedent("""
 
     def worker():
         cw.die_with_parent()
-        print("worker", os.getpid(), flush=True)
+        open(os.path.join(sys.argv[1], "worker"), "w").write(str(os.getpid()))
         time.sleep(60)
 
     def writer():
         cw.die_with_parent()
         p = mp.get_context("fork").Process(target=worker)
         p.start()
-        print("writer", os.getpid(), flush=True)
+        open(os.path.join(sys.argv[1], "writer"), "w").write(str(os.getpid()))
         time.sleep(60)
 
     mp.get_context("fork").Process(target=writer).start()
@@ -64,14 +64,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_writers_ignore_preemption_signals_and_die_with_their_rank():
-    rank = subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+def test_writers_ignore_preemption_signals_and_die_with_their_rank(tmp_path):
+    rank = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        pids = {}
-        while len(pids) < 2:
-            role, pid = rank.stdout.readline().split()
-            pids[role] = int(pid)
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / role).is_file() and (tmp_path / role).read_text() for role in ("writer", "worker")):
+            assert rank.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        pids = {role: int((tmp_path / role).read_text()) for role in ("writer", "worker")}
         for pid in pids.values():
             os.kill(pid, signal.SIGTERM)  # torchrun's preemption signal reaches the rank's group
         time.sleep(0.5)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import queue
-import time
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -102,15 +101,12 @@ class BackgroundSaves:
 
     ``enabled`` False: ``save_checkpoint`` saves synchronously and ignores this object.
     ``done(path)`` is called on every rank when a save is finalized (``console.saved``).
-    ``blocked_s``: seconds this rank spent in ``start``, ``poll`` and ``wait`` (the critical
-    path a background save adds); ``waited_s``: of which waiting for an unfinished write.
     """
 
     def __init__(self, enabled: bool, done: Callable[[Path], Any] = lambda path: path) -> None:
         self.enabled, self.done = bool(enabled), done
         self.queue = None
         self.pending: Optional[int] = None  # the step of the save in flight
-        self.blocked_s = self.waited_s = 0.0
         self._finish: Optional[Callable[[Optional[str]], Path]] = None
         self._root: Optional[Path] = None
         self._parts: List[Tuple[Any, Callable[[], Path]]] = []
@@ -124,14 +120,12 @@ class BackgroundSaves:
         is finished, then ``finish(problem)`` completes the checkpoint (``checkpoint._complete``)."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        t0 = time.perf_counter()
         self.wait()
         if self.queue is None:
             self.queue = AsyncCallsQueue(persistent=False)  # a forked writer per save
         self._parts, self._finish, self._root = parts, finish, root
         self.queue.schedule_async_request(merge_requests([r for r, _ in parts], self._finalize))
         self.pending = step
-        self.blocked_s += time.perf_counter() - t0
 
     def _finalize(self) -> None:
         """megatron-core's finalization of the merged request, on every rank: each part's
@@ -158,20 +152,15 @@ class BackgroundSaves:
     def wait(self) -> None:
         """Collective: wait for the save in flight (if any) and finalize it."""
         if self.pending is not None:
-            t0 = time.perf_counter()
             self._finalize_calls(blocking=True)
-            self.waited_s += time.perf_counter() - t0
 
     def _finalize_calls(self, blocking: bool) -> None:
-        t0 = time.perf_counter()
         try:
             if self.queue.maybe_finalize_async_calls(blocking=blocking):
                 self.pending = None
         except BaseException:
             self.pending = None  # a failed save is over (its error names it)
             raise
-        finally:
-            self.blocked_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Collective: finalize the save in flight (the run's end, a preemption)."""

@@ -75,20 +75,17 @@ def _case(rank, world, root):
     loaded = gather_optimizer_state(actor.optimizer, actor.model, groups)
     out["optimizer_equal"] = all(torch.equal(t, loaded[n][k]) for n, s in opt_state.items() for k, t in s.items())
 
-    # Never two in flight: step 2's save finalizes step 1's... (here step 1 is done: save 2, then 3)
+    # Never two in flight: step 3's save finalizes step 2's first. Step 3's meets a full disk in
+    # rank 1's writer workers, found at its finalization.
     save_checkpoint(root, 2, trainer_state={"step": 2}, background=saves, **kw)
     out["pending_after_2"] = saves.pending
-    save_checkpoint(root, 3, trainer_state={"step": 3}, background=saves, **kw)
-    out["step2_complete_when_3_starts"] = (root / "step_00000002" / "COMPLETE").is_file()
-    out["pending_after_3"] = saves.pending
-    saves.wait()
-
-    # A full disk in rank 1's writer workers, found at the finalization.
     if rank == 1:
         def full_disk(*args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        filesystem_async.open = full_disk
-    save_checkpoint(root, 4, trainer_state={"step": 4}, background=saves, **kw)
+        filesystem_async.open = full_disk  # the forked writer's workers open their files with it
+    save_checkpoint(root, 3, trainer_state={"step": 3}, background=saves, **kw)
+    out["step2_complete_when_3_starts"] = (root / "step_00000002" / "COMPLETE").is_file()
+    out["pending_after_3"] = saves.pending
     try:
         saves.wait()
         out["error"] = None
@@ -110,11 +107,12 @@ def test_background_save_is_finalized_hashed_as_written_and_named_on_error(tmp_p
         assert r["sidecars"] == []
         assert not [p for p in r["read_back"] if p.endswith(".distcp")], r["read_back"]
         assert r["pending_after_2"] == 2 and r["step2_complete_when_3_starts"] and r["pending_after_3"] == 3
-        assert r["done"] == ["step_00000001", "step_00000002", "step_00000003"]
+        assert r["done"] == ["step_00000001", "step_00000002"]
         assert r["error"] is not None and r["error"] == results[0]["error"]
-        assert "saving step 4" in r["error"] and "No space left on device" in r["error"], r["error"]
-        assert r["error"].endswith("step_00000003 stays the latest checkpoint"), r["error"]
+        assert "saving step 3" in r["error"] and "No space left on device" in r["error"], r["error"]
+        assert r["error"].endswith("step_00000002 stays the latest checkpoint"), r["error"]
         assert r["pending_after_error"] is None
-        assert r["left"] == ["step_00000001", "step_00000002", "step_00000003"]
-        assert r["latest_after_error"] == "step_00000003"
+        assert r["left"] == ["step_00000001", "step_00000002"]
+        assert r["latest_after_error"] == "step_00000002"
     assert results[0]["digests_match"] and len(results[0]["distcp"]) >= 4  # both ranks wrote, 2 files each
+    assert any(p.endswith("rank_00000.pt") for p in results[0]["read_back"])  # the small files are read

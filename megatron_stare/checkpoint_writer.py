@@ -42,7 +42,7 @@ HASH_SUFFIX = ".sha256"
 _SAFE = frozenset({"tell", "flush", "fileno", "name", "closed", "mode", "writable", "isatty"})
 
 _fork_parent: Optional[int] = None  # the pid that forked this process (set in the parent, inherited)
-_installed = False
+_rank_pid: Optional[int] = None  # the process that installed the hooks: never a writer itself
 
 
 class HashingFile:
@@ -64,10 +64,9 @@ class HashingFile:
             return
         self._f.close()
         if self.sequential and self.size == os.path.getsize(self._path):
-            tmp = self._path + HASH_SUFFIX + ".tmp"
-            with builtins.open(tmp, "w") as s:
+            # Written in place: a torn sidecar does not parse, and the file is then read back.
+            with builtins.open(self._path + HASH_SUFFIX, "w") as s:
                 json.dump({"size": self.size, "sha256": self._sha.hexdigest()}, s)
-            os.replace(tmp, self._path + HASH_SUFFIX)
 
     def __enter__(self) -> "HashingFile":
         return self
@@ -94,7 +93,10 @@ def written_sha256(path: Path) -> Optional[str]:
 def die_with_parent() -> None:
     """In a forked writer: ignore the preemption signals (the rank decides: it waits for its
     writers, then stops) and be SIGKILLed when the parent that forked this process dies (Linux);
-    exit at once if that parent is gone already."""
+    exit at once if that parent is gone already. A no-op in the rank itself (should a future
+    megatron-core write in-process)."""
+    if os.getpid() == _rank_pid:
+        return
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
@@ -123,11 +125,11 @@ def _remember_parent() -> None:
 
 def install() -> None:
     """Route megatron-core's writer workers through ``_writer_open``; idempotent."""
-    global _installed
-    if _installed:
+    global _rank_pid
+    if _rank_pid is not None:
         return
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.open = _writer_open
     os.register_at_fork(before=_remember_parent)
-    _installed = True
+    _rank_pid = os.getpid()

@@ -47,7 +47,7 @@ def _work(seconds_hint: float, a: torch.Tensor) -> int:
     return n
 
 
-def _bench(rank, world, root, hidden, layers, repeats, step_s, seed):
+def _bench(rank, world, root, hidden, layers, repeats, step_s, seed, distributed_optimizer=True):
     import torch.distributed as dist
 
     from megatron_stare.async_save import BackgroundSaves
@@ -59,12 +59,18 @@ def _bench(rank, world, root, hidden, layers, repeats, step_s, seed):
     torch.set_num_threads(1)
     spec = dataclasses.replace(TINY_SPEC, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_layers=layers,
                                num_attention_heads=16, num_query_groups=4, vocab_size=32000)
-    groups = case_groups(world, 1, 1, distributed_optimizer=True)
+    groups = case_groups(world, 1, 1, distributed_optimizer=distributed_optimizer)
     actor, _ = build_case_actor(groups, dtype=torch.bfloat16, spec=spec)
     _allocate_torch_adam_state(actor.optimizer)
     g = torch.Generator().manual_seed(rank)
     for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        for state in o.optimizer.state.values():
+        inner = o.optimizer
+        if not inner.state:  # Megatron's plain optimizer over torch Adam: its state as after a step
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                                      "step": torch.zeros((), dtype=torch.float32)}
+        for state in inner.state.values():
             for t in state.values():
                 if isinstance(t, torch.Tensor) and t.dim():
                     t.copy_(torch.rand(t.shape, generator=g))
@@ -136,12 +142,16 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plain-optimizer", action="store_true",
+                    help="Megatron's plain optimizer (state keyed by parameter) instead of the distributed one, "
+                         "whose fully reshardable save gathers its state into model space first")
     args = ap.parse_args()
     from megatron_stare.testing.distributed import run_on_ranks
 
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        res = run_on_ranks(_bench, args.world, d, args.hidden, args.layers, args.repeats, args.step_s, args.seed)
+        res = run_on_ranks(_bench, args.world, d, args.hidden, args.layers, args.repeats, args.step_s, args.seed,
+                           distributed_optimizer=not args.plain_optimizer)
     load1 = os.getloadavg()
     r0 = res[0]
     rows = []

@@ -145,7 +145,8 @@ def _micro_batch(samples: Sequence[Sample], rows: List[Dict[str, Tensor]], width
             if name in rows[0]}
     return MicroBatch(**cols, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                       sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
-                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long), packed=packed)
+                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long), packed=packed,
+                      seq_lens=torch.tensor([s.num_tokens - 1 for s in samples], dtype=torch.long))
 
 
 def collate(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1,

@@ -108,6 +108,8 @@ class MicroBatch:
     ref_logp: Optional[Tensor] = None
     packed: Optional[PackedRow] = None
     """The packed row the model runs on (``parallel.pack_sequences``); None: the padded rows."""
+    seq_lens: Optional[Tensor] = None
+    """``[B]`` int64: input positions of each sequence (the rest of its row is padding)."""
     routes: Optional[Tensor] = None
     """``[B, L, num_moe_layers, topk]`` int16: the engine's experts for each input position
     (``Sample.routed_experts``; -1 where it routed none, and at padding); r3 routing replay."""

@@ -23,7 +23,7 @@ sequence parallel only this TP rank's chunk of ``s``; under context parallel thi
 part of the (already CP-sliced) micro-batch. A packed micro-batch is one row ``[t, 1]``.
 ``router_order`` puts ``MicroBatch.routes`` into that order; recorded routes stay in it.
 
-Metrics (fractions over every rank's routed tokens x top-k choices):
+Metrics (fractions over every rank's real tokens x top-k choices, padding not counted):
 ``moe/replay_changed_frac``: of the replayed choices of the log-prob pass (r3: the engine's),
 those the trainer's own router would have made differently; ``moe/replay_changed_frac_update``:
 the same over the updates (the record against the updated weights' own choice);
@@ -84,9 +84,11 @@ class RouterTape:
         self.backlog: Deque[Tensor] = deque()
         self.recording = False
         self.recorded: List[Tensor] = []
+        self.real: Optional[Tensor] = None
+        """``[tokens]`` bool: the current micro-batch's real tokens (padding is not counted)."""
         self.counts: Optional[Tensor] = None
-        """(changed choices, replayed choices, routed choices) since the last ``take_metrics``,
-        on the router's device (no host sync per call)."""
+        """(changed choices, replayed choices, routed choices) of real tokens since the last
+        ``take_metrics``, on the router's device (no host sync per call)."""
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None):
@@ -99,6 +101,7 @@ class RouterTape:
         if self.counts is None:
             self.counts = torch.zeros(3, dtype=torch.float64, device=own.device)
         idx = own
+        real = self.real[:, None] if self.real is not None else torch.ones_like(own[:, :1], dtype=torch.bool)
         if target is not None:
             if target.shape != own.shape:
                 raise RuntimeError(f"routing replay: routes {tuple(target.shape)} for a router of "
@@ -109,11 +112,10 @@ class RouterTape:
             probs = scores.gather(1, idx)  # equals topk's values where the router's own choice stays
             if not in_backward:
                 same = (idx.unsqueeze(2) == own.unsqueeze(1)).any(2) | ~given
-                self.counts[0] += (~same).sum()
-                self.counts[1] += given.sum() * topk
-                self.counts[2] += own.numel()
-        elif not in_backward:
-            self.counts[2] += own.numel()
+                self.counts[0] += (~same & real).sum()
+                self.counts[1] += (given & real).sum() * topk
+        if not in_backward:
+            self.counts[2] += real.sum() * topk
         if self.recording:
             self.recorded.append(idx.to(torch.int16))
         return probs, idx
@@ -142,18 +144,18 @@ class RoutingReplay:
                 router.router_replay = tape
                 self.tapes.append(tape)
 
-    def router_order(self, mb: MicroBatch) -> Tensor:
-        """``mb.routes`` (``[B, L, layers, k]``, -1 = not routed) in the routers' token order:
-        ``[tokens, layers, k]`` (see the module docstring)."""
-        r = mb.routes
+    def router_order(self, mb: MicroBatch, cells: Tensor, pad=-1) -> Tensor:
+        """``cells`` ``[B, L, ...]`` (a per-token field of ``mb``) in the routers' token order:
+        ``[tokens, ...]`` (see the module docstring); row positions no cell maps to get ``pad``."""
         if mb.packed is not None:
-            row = torch.full((mb.packed.input_ids.shape[1], *r.shape[2:]), -1, dtype=r.dtype, device=r.device)
-            real = mb.packed.index != 0
-            real[0, 0] = True  # the first sequence's first token sits at row position 0
-            row[mb.packed.index[real]] = r[real]
+            row = torch.full((mb.packed.input_ids.shape[1], *cells.shape[2:]), pad, dtype=cells.dtype,
+                             device=cells.device)
+            mapped = mb.packed.index != 0
+            mapped[0, 0] = True  # the first sequence's first token sits at row position 0
+            row[mb.packed.index[mapped]] = cells[mapped]
             flat = row
         else:
-            flat = r.transpose(0, 1).reshape(-1, *r.shape[2:])
+            flat = cells.transpose(0, 1).reshape(-1, *cells.shape[2:])
         lay = self.groups.layout
         if lay.sequence_parallel and lay.tp > 1:
             flat = flat.chunk(lay.tp)[self.groups.tp_rank]
@@ -162,8 +164,11 @@ class RoutingReplay:
     def feed(self, mb: MicroBatch) -> None:
         """Before ``mb``'s forward on this stage: point every tape at its routes (the record
         after the log-prob pass; the sample routes during an r3 log-prob pass)."""
+        real = self.router_order(mb, mb.position_ids < mb.seq_lens[:, None], pad=False)
+        for t in self.tapes:
+            t.real = real
         if self.tapes and self.tapes[0].recording:
-            routes = self.router_order(mb) if mb.routes is not None else None
+            routes = self.router_order(mb, mb.routes) if mb.routes is not None else None
             for t in self.tapes:
                 t.target = None if routes is None else routes[:, t.moe_index]
             return
@@ -189,13 +194,13 @@ class RoutingReplay:
                              else torch.zeros(0, 0, 0, dtype=torch.int16))
         finally:
             for t in self.tapes:
-                t.recording, t.recorded, t.target = False, [], None
+                t.recording, t.recorded, t.target, t.real = False, [], None, None
 
     def done(self) -> None:
         """After an update's schedule: every queued recompute target was consumed."""
         for t in self.tapes:
             assert not t.backlog, "routing replay: recompute targets left over (schedule mismatch)"
-            t.target = None
+            t.target = t.real = None
 
     def take_metrics(self, suffix: str = "") -> Dict[str, float]:
         """The module docstring's fractions since the last call, over all ranks (collective)."""

@@ -88,12 +88,18 @@ def test_replay_brings_trainer_logprobs_to_the_engine_on_near_ties(cases):
     assert c["ratio"] < 0.1, c
 
 
+def _without_load(result: dict) -> dict:
+    return {**result, "metrics": {k: v for k, v in result["metrics"].items() if "/load_" not in k}}
+
+
 @pytest.mark.parametrize("name,variant", [(n, v) for n in RUNS for v in RUNS[n][5]])
 def test_replay_layouts_match_single_process(runs, cases, name, variant):
     world, tp, pp, cp, ep, _ = RUNS[name]
     reference = cases["reference"][variant]
     assert reference["metrics"]["moe/replay_changed_frac"] > (0.5 if variant.startswith("r3") else -1)
     ranks = runs(name)[variant]
+    if cp > 1:  # the expert-load metric counts padding rows under CP (moe_metrics.ExpertLoad)
+        reference, ranks = _without_load(reference), [_without_load(r) for r in ranks]
     for got in ranks:
         assert_same_update(reference, got)
     assert_tokens_seen_once(reference, ranks, tp * pp)

@@ -12,7 +12,7 @@ Qwen3-MoE (``MOE_SPEC``: 8 experts, top-2, 2 MoE layers), real megatron-core on 
   r3 is ~1% of the same without replay (printed).
 - One STARE update with replay on (r3 with response-only engine routes on packed rows, with full
   routes on padded rows; r2 over two mini-batches) equals one process at EP2, EP2xPP2 and
-  EP2xCP2: loss, grad norm (1e-5 relative), selected tokens, metrics (the replay fractions among
+  EP2xTP2xCP2 (sequence parallel: each TP rank's routers see their chunk of the sequence): loss, grad norm (1e-5 relative), selected tokens, metrics (the replay fractions among
   them), weights (1e-6), every token's log-prob seen once.
 - The config refuses replay for a dense model and r3 for an engine that returns no routes.
 """
@@ -35,11 +35,11 @@ R3_FULL_PADDED = {"spec": MOE_SPEC, "routing_replay": "r3", "engine_routes": "fu
 # Two mini-batches: the second replays what the log-prob pass recorded before the first's step.
 R2 = {"spec": MOE_SPEC, "routing_replay": "r2", "mini_batches": 2}
 VARIANTS = {"r3": R3, "r3_padded": R3_FULL_PADDED, "r2": R2}
-#: name -> (world, tp, pp, cp, ep, [variants]); EP2 x CP2 on 2 ranks: EP spans the CP ranks.
+#: name -> (world, tp, pp, cp, ep, [variants]); EP2 x TP2 x CP2 (sequence parallel): EP spans the TP ranks.
 RUNS = {
     "ep2": (2, 1, 1, 1, 2, ["r3", "r3_padded", "r2"]),
     "ep2pp2": (4, 1, 2, 1, 2, ["r3", "r2"]),
-    "ep2cp2": (2, 1, 1, 2, 2, ["r3", "r3_padded"]),
+    "ep2tp2cp2": (4, 2, 1, 2, 2, ["r3", "r3_padded"]),
 }
 
 

@@ -16,13 +16,18 @@ fail() { echo "error: $*" >&2; exit 2; }
 # --shutdown-timeout seconds after forwarding (default 30): PREEMPT_GRACE_S, which must cover a
 # step plus a save (a kill past it leaves the last complete checkpoint). The same timeout bounds
 # how long torchrun waits for the other workers after one fails.
+# The scripts run torchrun through `python -m megatron_stare.run` (LAUNCH below): it passes these
+# options to torchrun, keeps SIGINT for itself (Ctrl-C: one line and exit 130, no torchrun
+# traceback; megatron_stare/run.py) and exits with the run's own code.
 PREEMPT_GRACE_S=${PREEMPT_GRACE_S:-300}
-TORCHRUN_SIGNALS=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$PREEMPT_GRACE_S")
+TORCHRUN_SIGNALS=(--signals-to-handle SIGTERM,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$PREEMPT_GRACE_S")
+LAUNCH=(-m megatron_stare.run)
 
-# run_torchrun CMD...: run torchrun and relay SIGUSR1/SIGTERM sent to this shell (by srun, or a
-# user) to it. torchrun exits 1 whatever its workers return, so a preempted run (this node's
-# local rank 0 writes 75, or 130 after Ctrl-C, or 2 after a user error, to
-# $MEGATRON_STARE_STATUS_FILE) exits with that code here; otherwise torchrun's code.
+# run_torchrun CMD...: run the launcher (torchrun inside megatron_stare.run) and relay
+# SIGUSR1/SIGTERM sent to this shell (by srun, or a user) to it. A preempted run exits with its
+# own code here (75, or 130 after Ctrl-C, or 2 after a user error: megatron_stare.run returns what
+# this node's local rank 0 wrote to its status file); torchrun's own code otherwise. The status
+# file below is a fallback for a CMD that is bare torchrun (it exits 1 whatever its workers return).
 run_torchrun() {
   local status pid= pending= rc=0
   status=$(mktemp "${TMPDIR:-/tmp}/megatron-stare-status.XXXXXX")
@@ -104,10 +109,10 @@ launch_multinode() {
   if [[ -z $MASTER_ADDR && $NNODES -eq 1 ]]; then
     MASTER_ADDR=127.0.0.1
   fi
-  local cmd=("$RUN_PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  local cmd=("$RUN_PY" "${LAUNCH[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK"
              --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-\$MASTER_ADDR}"
              --master-port "$MASTER_PORT" "${TORCHRUN_SIGNALS[@]}"
-             -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
+             --config "$CONFIG" "${ARGS[@]}")
   if [[ $MODE == print ]]; then
     print_cmd "${cmd[@]}"
     exit 0

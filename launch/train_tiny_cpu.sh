@@ -2,7 +2,7 @@
 # The tiny CPU run: a 2-layer random-init Qwen2-style model, STARE-O1, 2 gloo ranks with TP 2 and
 # the embedded `hf` engine (examples/tiny_cpu.yaml). Minutes on a laptop; no GPU, no downloads.
 #
-# Runs `torchrun --standalone --nproc-per-node 2 -m megatron_stare.train --config
+# Runs `python -m megatron_stare.run --standalone --nproc-per-node 2 --config
 # examples/tiny_cpu.yaml` with the settings below as a.b=c overrides grouped by concern. If
 # $TINY_DIR/model or $TINY_DIR/train.jsonl is missing it is built first (a tiny checkpoint from
 # megatron_stare.models.tiny and an arithmetic prompt set with exact-match answers).
@@ -79,8 +79,8 @@ JSON
   exit $rc
 fi
 
-CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
-     -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
+CMD=("$RUN_PY" "${LAUNCH[@]}" --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
+     --config "$CONFIG" "${ARGS[@]}")
 if [[ $MODE == print ]]; then
   print_cmd "${CMD[@]}"
   exit 0

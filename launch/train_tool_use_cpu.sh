@@ -18,8 +18,8 @@ parse_args "$@"
 
 ARGS=(model.path="$TOOL_DIR/sft" data.train_path="$TOOL_DIR/data/train.jsonl"
       checkpoint.dir="$TOOL_DIR/ckpt" logging.dir="$TOOL_DIR/logs" ${EXTRA[@]+"${EXTRA[@]}"})
-CMD=("$RUN_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
-     -m megatron_stare.train --config "$CONFIG" "${ARGS[@]}")
+CMD=("$RUN_PY" "${LAUNCH[@]}" --standalone --nproc-per-node "$NPROC" "${TORCHRUN_SIGNALS[@]}"
+     --config "$CONFIG" "${ARGS[@]}")
 if [[ $MODE == plan ]]; then
   "$RUN_PY" -m megatron_stare.plan --config "$CONFIG" --world-size "$NPROC" --gpu-mem-gb "${GPU_MEM_GB:-80}" \
     --hf-config "$TOOL_DIR/sft/config.json" "${ARGS[@]}"

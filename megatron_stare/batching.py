@@ -102,11 +102,14 @@ def sequence_pad_multiple(tp: int, cp: int = 1, sequence_parallel: bool = False)
 
 #: The per-token fields of a micro-batch row, with their padding value.
 ROW_FIELDS = {"input_ids": 0, "position_ids": 0, "targets": 0, "loss_mask": False, "token_keys": 0,
-              "engine_logp": 0.0}
+              "engine_logp": 0.0, "routes": -1}
+ROUTES_DTYPE = torch.int16
+"""The engine's expert indices per token and MoE layer (-1: not routed): 2 bytes each."""
 
 
-def sample_row(s: Sample, with_engine_logp: bool = False) -> Dict[str, Tensor]:
-    """The ``ROW_FIELDS`` of one sample, unpadded (``[n]``, n = its tokens - 1); see ``MicroBatch``
+def sample_row(s: Sample, with_engine_logp: bool = False, with_routes: bool = False) -> Dict[str, Tensor]:
+    """The ``ROW_FIELDS`` of one sample, unpadded (``[n]``, n = its tokens - 1; ``routes``
+    ``[n, layers, k]``, the engine's for its last positions, -1 before); see ``MicroBatch``
     for the alignment."""
     seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
     p, r = len(s.prompt_ids), len(s.response_ids)
@@ -129,6 +132,10 @@ def sample_row(s: Sample, with_engine_logp: bool = False) -> Dict[str, Tensor]:
             raise ValueError("engine log-probs missing or of the wrong length for some samples")
         row["engine_logp"] = torch.zeros(n)
         row["engine_logp"][p - 1:] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+    if with_routes:  # shapes checked up front (actor/routing_replay.check_sample_routes)
+        r = s.routed_experts
+        row["routes"] = torch.full((n, *r.shape[1:]), -1, dtype=ROUTES_DTYPE)
+        row["routes"][n - r.shape[0]:] = r.to(ROUTES_DTYPE)
     return row
 
 
@@ -138,14 +145,16 @@ def _micro_batch(samples: Sequence[Sample], rows: List[Dict[str, Tensor]], width
             if name in rows[0]}
     return MicroBatch(**cols, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                       sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
-                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long), packed=packed)
+                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long), packed=packed,
+                      seq_lens=torch.tensor([s.num_tokens - 1 for s in samples], dtype=torch.long))
 
 
-def collate(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1) -> MicroBatch:
+def collate(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1,
+            with_routes: bool = False) -> MicroBatch:
     """Right-padded ``MicroBatch`` of ``samples`` (see ``MicroBatch`` for the alignment), its
     length rounded up to a multiple of ``pad_multiple`` (``sequence_pad_multiple``); positions
     run on through the padding."""
-    rows = [sample_row(s, with_engine_logp) for s in samples]
+    rows = [sample_row(s, with_engine_logp, with_routes) for s in samples]
     width = -(-max(r["input_ids"].numel() for r in rows) // pad_multiple) * pad_multiple
     mb = _micro_batch(samples, rows, width)
     mb.position_ids = torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous()
@@ -163,7 +172,7 @@ def slot_chunks(slot: int, cp: int, cp_rank: int) -> Tensor:
 
 
 def collate_packed(samples: Sequence[Sample], with_engine_logp: bool = False, pad_multiple: int = 1,
-                   cp: int = 1, cp_rank: int = 0) -> MicroBatch:
+                   cp: int = 1, cp_rank: int = 0, with_routes: bool = False) -> MicroBatch:
     """``MicroBatch`` whose model input is one packed row (``types.PackedRow``).
 
     Each sequence gets a slot of its tokens rounded up to ``2*cp`` (under CP); the last slot also
@@ -173,7 +182,7 @@ def collate_packed(samples: Sequence[Sample], with_engine_logp: bool = False, pa
     """
     if cp > 1 and pad_multiple % (2 * cp):
         raise ValueError(f"pad_multiple {pad_multiple} is not a multiple of 2*cp = {2 * cp}")
-    rows = [sample_row(s, with_engine_logp) for s in samples]
+    rows = [sample_row(s, with_engine_logp, with_routes) for s in samples]
     lens = [r["input_ids"].numel() for r in rows]
     unit = 2 * cp if cp > 1 else 1
     slots = [-(-n // unit) * unit for n in lens]
@@ -181,7 +190,7 @@ def collate_packed(samples: Sequence[Sample], with_engine_logp: bool = False, pa
     local, index, offset = [], [], 0
     for row, slot in zip(rows, slots):
         keep = slot_chunks(slot, cp, cp_rank)
-        padded = {name: torch.cat([x, torch.full((slot - x.numel(),), ROW_FIELDS[name], dtype=x.dtype)])
+        padded = {name: torch.cat([x, torch.full((slot - x.shape[0], *x.shape[1:]), ROW_FIELDS[name], dtype=x.dtype)])
                   for name, x in row.items()}
         padded["position_ids"] = torch.arange(slot)
         local.append({name: x[keep] for name, x in padded.items()})
@@ -199,7 +208,8 @@ def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 
     The padded length is split into ``2*cp`` chunks and rank ``r`` keeps chunks ``r`` and
     ``2*cp-1-r`` (causal attention cost then balances across ranks). ``position_ids`` are
-    sliced like the rest, so they keep their global values. ``[B]`` fields are unchanged.
+    sliced like the rest, so they keep their global values. ``[B]`` fields are unchanged;
+    ``[B, L, ...]`` ones (``routes``) are sliced along ``L``.
     """
     if cp == 1:
         return mb
@@ -209,11 +219,11 @@ def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
     keep = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
                       torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
     for name, value in list(vars(mb).items()):
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (b, width):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (b, width):
             if name == "position_ids":
                 full = torch.arange(padded).unsqueeze(0).expand(b, padded)
             else:
-                full = torch.zeros((b, padded), dtype=value.dtype)
+                full = torch.full((b, padded, *value.shape[2:]), ROW_FIELDS.get(name, 0), dtype=value.dtype)
                 full[:, :width] = value
             setattr(mb, name, full[:, keep].contiguous())
     return mb
@@ -222,16 +232,19 @@ def cp_slice(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 def plan_rank_batches(samples: Sequence[Sample], *, mini_batches: int, dp_rank: int, dp_size: int,
                       token_budget: int, max_rows: Optional[int] = None,
                       with_engine_logp: bool = False, cp: int = 1, cp_rank: int = 0,
-                      pad_multiple: int = 1, packed: bool = False) -> List[List[MicroBatch]]:
+                      pad_multiple: int = 1, packed: bool = False,
+                      with_routes: bool = False) -> List[List[MicroBatch]]:
     """This DP rank's micro-batches for each mini-batch of the step, this CP rank's part of each,
     padded to a multiple of ``pad_multiple`` (``sequence_pad_multiple``): packed rows with
-    ``packed`` (``collate_packed``), else padded rows (``collate`` + ``cp_slice``)."""
+    ``packed`` (``collate_packed``), else padded rows (``collate`` + ``cp_slice``); with
+    ``with_routes`` each carries its samples' routed experts (``MicroBatch.routes``)."""
     out = []
     for mini in split_mini_batches(samples, mini_batches):
         mine = assign_data_parallel(mini, dp_size)[dp_rank]
         groups = pack_micro_batches(mine, token_budget, max_rows, packed=packed)
         if packed:
-            out.append([collate_packed(g, with_engine_logp, pad_multiple, cp, cp_rank) for g in groups])
+            out.append([collate_packed(g, with_engine_logp, pad_multiple, cp, cp_rank, with_routes) for g in groups])
         else:
-            out.append([cp_slice(collate(g, with_engine_logp, pad_multiple), cp, cp_rank) for g in groups])
+            out.append([cp_slice(collate(g, with_engine_logp, pad_multiple, with_routes), cp, cp_rank)
+                        for g in groups])
     return out

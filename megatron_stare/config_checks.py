@@ -252,6 +252,20 @@ def _check_offload(cfg: Config) -> None:
              f"its phases ({', '.join(between)}), but rollout.engine={r.engine}; set trainer.offload=none")
 
 
+def _check_routing_replay(cfg: Config, spec) -> None:
+    """Routing replay needs a mixture-of-experts model, and r3 an engine that returns routes."""
+    r = cfg.rollout
+    if r.routing_replay == "none":
+        return
+    _require(spec is None or spec.moe is not None,
+             f"rollout.routing_replay={r.routing_replay} needs a mixture-of-experts model, but "
+             f"{cfg.model.path} is dense; set rollout.routing_replay=none")
+    _require(r.routing_replay != "r3" or ENGINE_TRAITS[r.engine].routed_experts,
+             f"rollout.routing_replay=r3 needs an engine that returns routed experts "
+             f"({', '.join(n for n, t in ENGINE_TRAITS.items() if t.routed_experts)}), but "
+             f"rollout.engine={r.engine}; use one of those, or rollout.routing_replay=r2")
+
+
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
                  check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
     """Check values and cross-field consistency; raise one ``ConfigError`` line per problem.
@@ -313,6 +327,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
     _check_rollout_layout(cfg, world_size, spec)
     _check_cpu_attention(cfg, cuda, spec)
     _check_lengths(cfg, spec)
+    _check_routing_replay(cfg, spec)
 
     d = cfg.data
     if check_paths:

@@ -139,6 +139,12 @@ class RolloutConfig:
     """Nucleus mass at evaluation, in (0, 1]."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn tool use (rollout/multiturn.py, envs/)."""
+    routing_replay: Literal["none", "r3", "r2"] = "none"
+    """MoE models: the updates route each token to the experts it went to before
+    (actor/routing_replay.py). r3: the engine's routes (the log-prob pass replays them, the
+    updates replay the pass; prompt tokens the engine returns no routes for take the trainer's
+    own routing of that pass); r2: the trainer's own routing of the log-prob pass; none: route
+    afresh in every forward."""
 
     @property
     def max_response_tokens(self) -> int:

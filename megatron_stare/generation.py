@@ -148,7 +148,7 @@ class GroupSelector:
                 samples.append(Sample(sample_id=len(samples), group_id=g, prompt_ids=list(p.token_ids),
                                       response_ids=list(r.token_ids), reward=float(rw),
                                       engine_logprobs=r.logprobs.tolist(), finish_reason=r.finish_reason,
-                                      loss_mask=getattr(r, "loss_mask", None),
+                                      loss_mask=getattr(r, "loss_mask", None), routed_experts=r.routed_experts,
                                       metadata={} if r.versions is None else {"token_versions": list(r.versions)}))
         if samples:
             adv = compute_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),

@@ -103,7 +103,8 @@ class Offloader:
             for m in models:
                 for p in m.parameters():
                     add(p, "params")
-        for buf in getattr(self.actor.model, "buffers", []):  # Megatron DDP's contiguous buffers
+        ddp = self.actor.model  # Megatron DDP's contiguous buffers: dense, and the experts' (MoE)
+        for buf in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
             add(buf.grad_data, "grads")
         for p in self.actor.module.parameters():
             add(getattr(p, "main_grad", None), "grads")

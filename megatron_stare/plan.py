@@ -70,6 +70,7 @@ from megatron_stare.config import Config, ConfigError, load_config, validate_con
 from megatron_stare.preflight import DRY_RUN_SKIPPED
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
+from megatron_stare.plan_moe import plan_moe
 from megatron_stare.plan_offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan_sync import sync_staging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
@@ -80,8 +81,9 @@ from megatron_stare.plan_memory import (GiB, PHASES, Assumptions, MemoryPlan, Pl
                                      _awake_throughout, _phase_totals)
 
 
-def _stage_params(c: ParamCounts, pp: int, tp: int, stage: int) -> float:
-    """Parameters held by one TP rank of pipeline ``stage``."""
+def _stage_params(c: ParamCounts, pp: int, tp: int, stage: int, expert_shards: int = 1) -> float:
+    """Parameters held by one TP rank of pipeline ``stage`` (routed experts over ``expert_shards``
+    = ep*etp ranks)."""
     layers = c.num_layers // pp
     split = layers * (c.attention + c.mlp)
     replicated = layers * c.norms
@@ -91,7 +93,7 @@ def _stage_params(c: ParamCounts, pp: int, tp: int, stage: int) -> float:
         replicated += c.final_norm
         # A tied embedding is a second copy on the last stage when the stages differ.
         split += c.output_layer or (c.embedding if pp > 1 else 0)
-    return split / tp + replicated
+    return split / tp + replicated + layers * c.experts / expert_shards
 
 
 def _hint(label: str, cfg: Config, dp: int) -> str:
@@ -158,10 +160,13 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
     n_micro = math.ceil(math.ceil(responses / dp) / per_micro)
 
     kv_dim = spec.num_query_groups * hd
+    # Mixture of experts (plan_moe.py): this rank's tokens of the step carry their routes.
+    moe = None if spec.moe is None else plan_moe(
+        spec, counts, cfg, world_size, s_local, t.prompts_per_step * r.n * max_seq / (dp * cp), a.moe_imbalance)
     layer_full = layer_activation_bytes(
-        s_local, h, spec.num_attention_heads, kv_dim, spec.ffn_hidden_size, tp=tp,
-        sequence_parallel=p.sequence_parallel,
-        flash_attention=a.flash_attention or p.recompute == "selective")
+        s_local, h, spec.num_attention_heads, kv_dim, spec.ffn_hidden_size if moe is None else moe.activation_ffn,
+        tp=tp, sequence_parallel=p.sequence_parallel,
+        flash_attention=a.flash_attention or p.recompute == "selective") + (moe.permuted_bytes_per_layer if moe else 0)
     layer_input = 2.0 * s_local * h / (tp if p.sequence_parallel else 1)
 
     # Engine: on the trainer's GPUs unless it is a server attached through rollout.server_urls.
@@ -179,7 +184,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
     eng_w = eng_kv = eng_ws = eng_sleep = 0.0
     if colocated and r.engine != "hf":
         ec = _counts(spec, math.ceil(spec.vocab_size / etp) * etp, kv_heads=kv_local * etp)
-        eng_w = 2 * ((ec.embedding + ec.output_layer + L * (ec.attention + ec.mlp)) / etp
+        eng_w = 2 * ((ec.embedding + ec.output_layer + L * (ec.attention + ec.mlp + ec.experts)) / etp
                      + L * ec.norms + ec.final_norm) / GiB
         eng_ws, eng_sleep = a.engine_workspace_gib, a.engine_asleep_gib
         eng_kv = max(r.gpu_memory_utilization * gpu_mem_gb - eng_w - eng_ws, 0.0)
@@ -199,7 +204,10 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
                for i in sorted({0, pp - 1})}
     stages = {}
     for stage in sorted({0, pp - 1}):  # middle stages hold no more than either end
-        n_params = _stage_params(counts, pp, tp, stage)
+        shards = p.ep * p.etp if moe else 1
+        n_params = _stage_params(counts, pp, tp, stage, shards)
+        n_experts = (L // pp) * counts.experts / shards  # their optimizer state shards over edp
+        exp_shards = moe.edp if moe and p.distributed_optimizer else 1
         in_flight = min(pp - stage, n_micro)  # 1F1B: stage i holds pp - i micro-batches
         if p.recompute == "full":
             act = in_flight * (L // pp) * layer_input + layer_full
@@ -212,7 +220,9 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
         weights = n_params * wbytes / GiB
         stages[stage] = dict(
             weights_gib=weights, main_grads_gib=n_params * 4 / GiB,
-            optimizer_gib=n_params * opt_bytes / opt_shards / GiB,
+            optimizer_gib=((n_params - n_experts) / opt_shards + n_experts / exp_shards) * opt_bytes / GiB,
+            dispatcher_gib=moe.dispatcher_bytes / GiB if moe else 0.0,
+            routing_gib=moe.routing_bytes / GiB if moe else 0.0,
             activations_gib=act / GiB, logits_gib=logits / GiB,
             reference_gib=weights if cfg.algorithm.kl_loss_coef > 0 else 0.0,
             sync_bucket_gib=staging[stage].total / GiB, **shared)
@@ -243,7 +253,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
         staleness=t.staleness)
     plan = MemoryPlan(layout=layout, params=_counts(spec, spec.vocab_size), gpu_mem_gb=gpu_mem_gb,
                       stage=stage, phases=phases, peak_gib=phases[peak_phase], peak_phase=peak_phase,
-                      fits=True, assumptions=a, step_phases=step_phases, offload=off, **stages[stage])
+                      fits=True, assumptions=a, step_phases=step_phases, offload=off, moe=moe, **stages[stage])
 
     if plan.peak_gib > gpu_mem_gb:
         label, per = max(plan.rows(), key=lambda row: row[1][plan.peak_phase])

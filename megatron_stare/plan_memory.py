@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megatron_stare.models.sizes import ParamCounts
+from megatron_stare.plan_moe import MoEPlan
 from megatron_stare.plan_offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan_sync import SyncStaging
 from megatron_stare.rollout.phases import PHASES as STEP_PHASES
@@ -37,6 +38,8 @@ class Assumptions:
     """A colocated engine's profiled activations and CUDA graphs while awake (inside its budget)."""
     engine_asleep_gib: float = 1.0
     """What a sleeping colocated engine keeps (CUDA-graph pools, its own communicators)."""
+    moe_imbalance: float = 1.5
+    """Mixture of experts: the busiest rank's routed tokens over the mean (``plan_moe.py``)."""
 
 
 @dataclass
@@ -110,6 +113,8 @@ _COMPONENTS = (
     ("optimizer_gib", "optimizer (master + Adam m, v)", _always),
     ("activations_gib", "activations", lambda p: p.trainer_work),
     ("logits_gib", "logits + log-prob buffer", lambda p: p.trainer_work),
+    ("dispatcher_gib", "MoE dispatcher buffers", lambda p: p.trainer_work),
+    ("routing_gib", "routing replay (int16)", lambda p: p.trainer_work),
     ("reference_gib", "reference model", _always),
     ("engine_weights_gib", "engine weights", lambda p: p.engine is not EngineMemory.RELEASED),
     ("engine_kv_gib", "engine KV cache", lambda p: p.engine is EngineMemory.AWAKE),
@@ -169,6 +174,10 @@ class MemoryPlan:
     """The phases with what each holds (asynchronous: the engine awake in all of them)."""
     offload: str = "none"
     """``trainer.offload``: what leaves the GPU from the offload phase to the onload phase."""
+    dispatcher_gib: float = 0.0
+    routing_gib: float = 0.0
+    moe: Optional[MoEPlan] = None
+    """The mixture-of-experts terms (``plan_moe.py``); None for a dense model."""
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""
@@ -191,6 +200,7 @@ class MemoryPlan:
             f"{shard_over}; recompute {L.recompute or 'none'}",
             f"  stages   {L.pp} x {L.layers_per_stage} layers (embedding on stage 0, output layer on "
             f"stage {L.pp - 1})",
+            *([self.moe.line()] if self.moe is not None else []),
             f"  batches  micro-batch {L.micro_batch_tokens} tokens ({L.tokens_per_cp_rank} per CP rank); "
             f"up to {L.num_micro_batches} micro-batches per DP rank per optimizer step "
             f"(max sequence {L.max_seq_len} tokens)",

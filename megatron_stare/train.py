@@ -95,9 +95,9 @@ class Trainer:
         if p.recompute == "auto":  # the planner's choice for this GPU (plan.py), said once
             p.recompute, why = resolve_recompute(cfg, hf_dir, world)
             self.console.note(why)
-        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
         settings = ActorSettings(parallel=p, optimizer=cfg.optimizer, algorithm=cfg.algorithm,
-                                 temperature=cfg.rollout.temperature, dtype=dtype, attention=m.attention_backend,
+                                 temperature=cfg.rollout.temperature, dtype=getattr(torch, m.dtype),  # model.dtype
+                                 attention=m.attention_backend, routing_replay=cfg.rollout.routing_replay,
                                  total_optimizer_steps=cfg.trainer.total_steps * cfg.trainer.mini_batches_per_step
                                  * cfg.trainer.ppo_epochs, off_policy=run_off_policy(cfg)[0],
                                  moe_router_losses=(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))

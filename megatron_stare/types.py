@@ -108,6 +108,14 @@ class MicroBatch:
     ref_logp: Optional[Tensor] = None
     packed: Optional[PackedRow] = None
     """The packed row the model runs on (``parallel.pack_sequences``); None: the padded rows."""
+    seq_lens: Optional[Tensor] = None
+    """``[B]`` int64: input positions of each sequence (the rest of its row is padding)."""
+    routes: Optional[Tensor] = None
+    """``[B, L, num_moe_layers, topk]`` int16: the engine's experts for each input position
+    (``Sample.routed_experts``; -1 where it routed none, and at padding); r3 routing replay."""
+    replay: Optional[Tensor] = None
+    """``[tokens, stage MoE layers, topk]`` int16: the routing the log-prob pass recorded on this
+    pipeline stage, in the routers' token order (``actor/routing_replay.py``); r2 / r3."""
 
     def to(self, device) -> "MicroBatch":
         """Move every tensor field (and the packed row) to ``device`` (in place); returns self."""
@@ -134,10 +142,10 @@ class MicroBatch:
 
 
 def pad_stack(rows: List[Tensor], width: int, value=0) -> Tensor:
-    """Stack 1-D tensors right-padded to ``width``: ``[len(rows), width]``."""
-    out = torch.full((len(rows), width), value, dtype=rows[0].dtype, device=rows[0].device)
+    """Stack ``[n_i, *rest]`` tensors right-padded to ``width``: ``[len(rows), width, *rest]``."""
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), value, dtype=rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
+        out[i, : r.shape[0]] = r
     return out
 
 

@@ -25,10 +25,12 @@ def prepare_batches(samples: Sequence[Sample], groups: ParallelGroups, settings:
         raise ValueError(f"a mini-batch of {per_mini} samples cannot feed {lay.dp} data-parallel "
                          f"ranks; raise trainer.prompts_per_step or lower the DP degree")
     with_engine = all(s.engine_logprobs is not None for s in samples)
+    # r3: the engine's routed experts ride with their tokens (checked by the actor's prepare).
     batches = plan_rank_batches(samples, mini_batches=mini_batches, dp_rank=groups.dp_rank,
                                 dp_size=lay.dp, token_budget=settings.parallel.micro_batch_tokens,
                                 max_rows=settings.max_rows_per_micro_batch, with_engine_logp=with_engine,
                                 cp=lay.cp, cp_rank=groups.cp_rank,
                                 pad_multiple=sequence_pad_multiple(lay.tp, lay.cp, lay.sequence_parallel),
-                                packed=settings.parallel.pack_sequences)
+                                packed=settings.parallel.pack_sequences,
+                                with_routes=settings.routing_replay == "r3")
     return [[mb.to(groups.device) for mb in mini] for mini in batches]

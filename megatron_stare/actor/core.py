@@ -13,6 +13,7 @@ from megatron_stare.actor.logprob_pass import fill_old_logprobs
 from megatron_stare.actor.loss_plans import plan_step
 from megatron_stare.actor.mismatch import masked_fraction
 from megatron_stare.actor.optim import build_optimizer
+from megatron_stare.actor.routing_replay import RoutingReplay, check_sample_routes
 from megatron_stare.actor.schedule import share_from_last_stage
 from megatron_stare.actor.token_stats import TokenStatsKernel
 from megatron_stare.actor.types import ActorSettings, StepStats, UpdateResult, WeightLoader
@@ -46,6 +47,9 @@ class MegatronActor:
         load_weights(stage, groups)
         self.expert_load = (ExpertLoad(stage, spec.num_layers, spec.moe.num_experts, groups)
                             if spec.moe is not None else None)
+        self.replay = (RoutingReplay(stage, spec, groups, settings.routing_replay)
+                       if settings.routing_replay != "none" else None)
+        self._replay_metrics: Dict[str, float] = {}
         self.loss_fn = build_policy_loss(settings.algorithm)
         self.off_policy = settings.off_policy or resolve_off_policy(settings.algorithm)[0]
         self.kernel = TokenStatsKernel(tp_group=groups.tp_group, valid_vocab_size=spec.vocab_size,
@@ -77,12 +81,16 @@ class MegatronActor:
 
     def prepare(self, samples: Sequence[Sample], mini_batches: int = 1) -> List[List[MicroBatch]]:
         """This DP rank's mini-batches of micro-batches for the step's global ``samples``."""
+        if self.s.routing_replay == "r3":
+            check_sample_routes(samples, self.spec)
         return prepare_batches(samples, self.groups, self.s, mini_batches)
 
     def compute_logprobs(self, batches: List[List[MicroBatch]], sensitivity: bool = True) -> StepStats:
         """Forward-only pass: fills ``old_logp``, ``entropy`` (and sensitivity sums, ``ref_logp``)
         of every micro-batch on every rank; returns the global entropy and mismatch."""
-        stats = fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity)
+        stats = fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity, self.replay)
+        if self.replay is not None:
+            stats.replay_metrics = self._replay_metrics = self.replay.take_metrics()
         if self.off_policy.masks:
             g = self.groups
             stats.ratio_masked_frac = masked_fraction([mb for mini in batches for mb in mini], self.off_policy,
@@ -124,7 +132,7 @@ class MegatronActor:
         for _ in range(ppo_epochs):
             for micro_batches, plan in zip(batches, plans):
                 r = train_mini_batch(self.model, self.optimizer, self.scheduler, micro_batches, plan, ctx,
-                                     g, self.s.optimizer.clip_grad)
+                                     g, self.s.optimizer.clip_grad, self.replay)
                 result.skipped_steps += 0 if r.applied else 1
                 result.loss.append(r.loss)
                 result.grad_norm.append(r.grad_norm)
@@ -133,6 +141,8 @@ class MegatronActor:
         all_metrics.all_reduce(g.dp_cp_group, device=g.device)
         result.metrics = share_from_last_stage(all_metrics.means(), g)
         result.metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if self.replay is not None:  # the log-prob pass's replay metrics are logged with the update's
+            result.metrics.update({**self._replay_metrics, **self.replay.take_metrics("_update")})
         if self.expert_load is not None:
             self.expert_load.active = False
             result.metrics.update(self.expert_load.metrics(self.spec.moe.layer_pattern))

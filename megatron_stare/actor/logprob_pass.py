@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.actor.mismatch import engine_mismatch
+from megatron_stare.actor.routing_replay import RoutingReplay
 from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedule
 from megatron_stare.actor.token_stats import TokenStats, TokenStatsKernel
 from megatron_stare.actor.types import StepStats
@@ -39,10 +40,16 @@ class TokenStatsCollector:
 
 @torch.no_grad()
 def forward_token_stats(model, micro_batches: List[MicroBatch], kernel: TokenStatsKernel,
-                        groups: ParallelGroups, sensitivity: bool) -> List[TokenStats]:
-    """Each micro-batch's ``TokenStats`` ``[B, L]``, identical on every rank of its replica."""
+                        groups: ParallelGroups, sensitivity: bool,
+                        replay: Optional[RoutingReplay] = None) -> List[TokenStats]:
+    """Each micro-batch's ``TokenStats`` ``[B, L]``, identical on every rank of its replica.
+    ``replay``: route as ``replay`` says (the engine's routes where recorded), and record it."""
     collectors = [TokenStatsCollector(mb, kernel, sensitivity) for mb in micro_batches]
-    run_schedule(model, micro_batches, collectors, forward_only=True)
+    if replay is None:
+        run_schedule(model, micro_batches, collectors, forward_only=True)
+    else:
+        with replay.recording(micro_batches):
+            run_schedule(model, micro_batches, collectors, forward_only=True, before_forward=replay.feed)
     if groups.is_last_stage:
         stats = [c.stats for c in collectors]
     else:
@@ -52,15 +59,18 @@ def forward_token_stats(model, micro_batches: List[MicroBatch], kernel: TokenSta
 
 
 def fill_old_logprobs(model, ref_model, batches: List[List[MicroBatch]], kernel: TokenStatsKernel,
-                      groups: ParallelGroups, sensitivity: bool = True) -> StepStats:
+                      groups: ParallelGroups, sensitivity: bool = True,
+                      replay: Optional[RoutingReplay] = None) -> StepStats:
     """Fill ``old_logp``, ``entropy`` (and ``sum_p2``/``sum_p2_logp``, ``ref_logp`` when
     ``ref_model``) of every micro-batch; return the global entropy, token count and mismatch.
+    ``replay`` (MoE routing replay): the policy's pass routes as it says and records its routing
+    in every micro-batch's ``replay``; the reference model routes itself.
 
     Reductions are over the data x context-parallel group: every rank gets the same values.
     """
     flat = [mb for mini in batches for mb in mini]
     model.eval()
-    for mb, s in zip(flat, forward_token_stats(model, flat, kernel, groups, sensitivity)):
+    for mb, s in zip(flat, forward_token_stats(model, flat, kernel, groups, sensitivity, replay)):
         mb.old_logp, mb.entropy = s.logprobs, s.entropy
         mb.sum_p2, mb.sum_p2_logp = s.sum_p2, s.sum_p2_logp
     if ref_model is not None:

@@ -10,7 +10,7 @@ computed there are broadcast over the pipeline group so that every rank holds th
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,13 +45,16 @@ def _row_padding(row) -> torch.Tensor:
 
 
 def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequence[LossFunc],
-                 forward_only: bool):
+                 forward_only: bool, before_forward: Optional[Callable[[MicroBatch], None]] = None):
     """Run ``model`` over ``micro_batches`` with Megatron's schedule; ``loss_funcs[i]`` gets the
-    last stage's output of micro-batch ``i`` (called on the last stage only)."""
+    last stage's output of micro-batch ``i`` (called on the last stage only). ``before_forward``:
+    called with each micro-batch before its forward on this stage (routing replay's ``feed``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iter, m):
         mb, loss_func = next(data_iter)
+        if before_forward is not None:
+            before_forward(mb)
         if mb.packed is None:
             return m(mb.input_ids, mb.position_ids, None), loss_func
         row = mb.packed

@@ -36,6 +36,8 @@ class ActorSettings:
     """``model.attention_backend`` (``models.gpt.resolve_attention``)."""
     moe_router_losses: Tuple[float, float] = (0.0, 0.0)
     """Mixture of experts: (load-balancing loss, z-loss) coefficients of the router; 0 = off."""
+    routing_replay: str = "none"
+    """Mixture of experts: ``rollout.routing_replay`` (none | r3 | r2; ``actor/routing_replay.py``)."""
 
 
 @dataclass
@@ -50,6 +52,9 @@ class StepStats:
     mismatch_max: Optional[float] = None
     ratio_masked_frac: Optional[float] = None
     """Fraction of response tokens the off-policy correction masks (a mask rule on)."""
+    replay_metrics: Dict[str, float] = field(default_factory=dict)
+    """Routing replay of the pass (``routing_replay.py``'s ``moe/replay_*``); also logged with
+    the update's metrics."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from megatron_stare.actor.diagnostics import selected_token_keys
 from megatron_stare.actor.optim import guarded_step
+from megatron_stare.actor.routing_replay import RoutingReplay
 from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedule
 from megatron_stare.actor.token_stats import TokenStatsKernel
 from megatron_stare.algorithms.aggregation import MetricSums, backward_scale, sequence_token_counts
@@ -107,13 +108,18 @@ class MiniBatchResult:
 
 
 def train_mini_batch(model, optimizer, scheduler, micro_batches: Sequence[MicroBatch], plan: LossPlan,
-                     ctx: LossContext, groups: ParallelGroups, clip_grad: float) -> MiniBatchResult:
-    """Forward/backward over the mini-batch's micro-batches and one guarded optimizer step."""
+                     ctx: LossContext, groups: ParallelGroups, clip_grad: float,
+                     replay: Optional[RoutingReplay] = None) -> MiniBatchResult:
+    """Forward/backward over the mini-batch's micro-batches and one guarded optimizer step;
+    ``replay``: every forward (and recompute) routes as the log-prob pass recorded."""
     scale = backward_scale(grad_reduce_divisor=groups.layout.dp, schedule_divisor=len(micro_batches))
     losses = [MicroBatchLoss(mb, plan, ctx, scale) for mb in micro_batches]
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    run_schedule(model, micro_batches, losses, forward_only=False)
+    run_schedule(model, micro_batches, losses, forward_only=False,
+                 before_forward=None if replay is None else replay.feed)
+    if replay is not None:
+        replay.done()
     step_loss = torch.zeros((), dtype=torch.float64, device=groups.device)
     metrics = MetricSums()
     selected: List[Tensor] = []

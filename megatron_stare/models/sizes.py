@@ -16,17 +16,21 @@ class ParamCounts:
     attention: int
     """Per layer: q (``h*h``), k and v (``h*kv*hd`` each), o (``h*h``), plus q/k/v biases."""
     mlp: int
-    """Per layer: gate, up and down projections, ``3*h*ffn``."""
+    """Per layer: gate, up and down projections, ``3*h*ffn``; a mixture-of-experts model: the
+    mean per layer of its dense MLPs, routers (``E*h``) and shared experts (not the routed ones)."""
     norms: int
     """Per layer: input and pre-MLP RMSNorm (``2*h``), plus Qwen3's q/k norms (``2*hd``)."""
     num_layers: int
     final_norm: int
     output_layer: int
     """``V*h``; 0 when tied to the embedding."""
+    experts: int = 0
+    """Mixture of experts: the routed experts' parameters (``E*3*h*I`` per MoE layer), mean
+    per layer; they shard over expert parallel (``ep*etp``), the rest over tp."""
 
     @property
     def per_layer(self) -> int:
-        return self.attention + self.mlp + self.norms
+        return self.attention + self.mlp + self.norms + self.experts
 
     @property
     def total(self) -> int:
@@ -46,10 +50,16 @@ def _counts(spec, vocab: int, kv_heads: Optional[float] = None) -> ParamCounts:
     kv_dim = (spec.num_query_groups if kv_heads is None else kv_heads) * hd
     bias = spec.add_qkv_bias
     attention = h * q_dim + 2 * h * kv_dim + q_dim * h + ((q_dim + 2 * kv_dim) if bias else 0)
+    mlp, experts, moe, n = 3 * h * spec.ffn_hidden_size, 0, spec.moe, spec.num_layers
+    if moe is not None:
+        sparse = sum(moe.layer_pattern)
+        shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
+        mlp = ((n - sparse) * mlp + sparse * (moe.num_experts * h + shared)) // n
+        experts = sparse * moe.num_experts * 3 * h * moe.ffn_hidden_size // n
     return ParamCounts(
-        embedding=vocab * h, attention=int(attention), mlp=3 * h * spec.ffn_hidden_size,
-        norms=2 * h + (2 * hd if spec.qk_layernorm else 0), num_layers=spec.num_layers,
-        final_norm=h, output_layer=0 if spec.tie_word_embeddings else vocab * h)
+        embedding=vocab * h, attention=int(attention), mlp=mlp,
+        norms=2 * h + (2 * hd if spec.qk_layernorm else 0), num_layers=n,
+        final_norm=h, output_layer=0 if spec.tie_word_embeddings else vocab * h, experts=experts)
 
 
 def param_counts(hf_config: dict) -> ParamCounts:

@@ -65,6 +65,8 @@ class EngineTraits:
     """Generation goes over HTTP to a server process."""
     can_spawn: bool = False
     """Starts its own server when ``rollout.server_urls`` is empty."""
+    routed_experts: bool = False
+    """Returns each token's routed experts (MoE), for ``rollout.routing_replay=r3``."""
 
     @property
     def colocated(self) -> bool:
@@ -74,8 +76,9 @@ class EngineTraits:
 
 ENGINE_TRAITS: Dict[str, EngineTraits] = {
     "hf": EngineTraits(placement="driver", cuda_only=False, server=False),
-    "vllm": EngineTraits(placement="every_rank", cuda_only=False, server=False),
-    "vllm-server": EngineTraits(placement="driver", cuda_only=False, server=True, can_spawn=True),
+    "vllm": EngineTraits(placement="every_rank", cuda_only=False, server=False, routed_experts=True),
+    "vllm-server": EngineTraits(placement="driver", cuda_only=False, server=True, can_spawn=True,
+                                routed_experts=True),
     "sglang": EngineTraits(placement="group_leader", cuda_only=True, server=False),
     "sglang-server": EngineTraits(placement="driver", cuda_only=True, server=True),
 }

@@ -7,7 +7,7 @@ the losses, grad norms, metrics, selected token keys and the updated canonical w
 the micro-batch widths this rank ran; and the log-prob pass's per-token results by token key.
 Knobs: context parallel, packed or padded micro-batches, sequence parallel, the distributed
 optimizer, bf16, and the model (``spec``: ``MOE_SPEC`` is a tiny Qwen3-MoE, run at expert
-parallel layouts with ``ep``/``etp``).
+parallel layouts with ``ep``/``etp``; ``routing_replay`` with synthetic ``engine_routes``).
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                      variant: str = "C2", max_rows=None, micro_batch_tokens: int = 4096,
                      lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
                      pack_sequences: bool = True, algorithm: Optional[dict] = None,
-                     spec: GPTSpec = TINY_SPEC, moe_router_losses=(0.0, 0.0)):
+                     spec: GPTSpec = TINY_SPEC, moe_router_losses=(0.0, 0.0),
+                     routing_replay: str = "none", recompute: Optional[str] = None):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
     ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
     optimizer follow the layout. ``algorithm``: further ``AlgorithmConfig`` fields (aggregation
     mode, entropy bonus, Cov configs, ...); with ``kl_loss_coef`` > 0 the actor also holds a
     reference model, weights ``seeded_canonical(.., weights_seed + 1)``. ``spec``: the model
-    (``MOE_SPEC``: experts at the layout's ep/etp, router losses ``moe_router_losses``)."""
+    (``MOE_SPEC``: experts at the layout's ep/etp, router losses ``moe_router_losses``,
+    ``routing_replay`` none | r3 | r2); ``recompute``: ``parallel.recompute``."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
@@ -86,10 +88,10 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                                                      pack_sequences=pack_sequences,
                                                      sequence_parallel=lay.sequence_parallel,
                                                      distributed_optimizer=lay.distributed_optimizer,
-                                                     ep=lay.ep, etp=lay.etp),
+                                                     ep=lay.ep, etp=lay.etp, recompute=recompute),
                              optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows,
-                             moe_router_losses=tuple(moe_router_losses),
+                             moe_router_losses=tuple(moe_router_losses), routing_replay=routing_replay,
                              # The tests' explicit choice where transformer-engine is absent (no fallback).
                              attention="auto" if transformer_engine_error() is None else "torch")
 
@@ -127,14 +129,29 @@ def gather_full_grads(actor) -> Optional[Dict[str, torch.Tensor]]:
             p.data = data
 
 
+def synthetic_routes(samples: Sequence[Sample], spec: GPTSpec, covered: str = "full") -> None:
+    """Give every sample "engine" routes (``Sample.routed_experts``): ``topk`` distinct experts per
+    position and MoE layer, a function of the sample id only. ``covered``: ``full`` every input
+    position (an engine that returns prefill routes), ``response`` the last ``T`` only."""
+    moe = spec.moe
+    for s in samples:
+        n = s.num_tokens - 1 if covered == "full" else len(s.response_ids)
+        g = torch.Generator().manual_seed(1000 + s.sample_id)
+        scores = torch.rand(n, sum(moe.layer_pattern), moe.num_experts, generator=g)
+        s.routed_experts = scores.argsort(-1)[..., :moe.topk].to(torch.int16)
+
+
 def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False,
-                      engine_logp: bool = False, **knobs) -> dict:
+                      engine_logp: bool = False, engine_routes: Optional[str] = None, **knobs) -> dict:
     """One log-prob pass, controller update and STARE update at ``groups`` (see the module
     docstring); ``knobs`` go to ``build_case_actor``. ``engine_logp``: give every token a
     behaviour log-prob ``old_logp - 0.8*sin(1.7*key)`` (ratios in [0.45, 2.2], a function of the
-    token's key) for the off-policy corrections."""
+    token's key) for the off-policy corrections. ``engine_routes``: ``synthetic_routes`` coverage
+    (full | response) for routing replay."""
     actor, algo = build_case_actor(groups, **knobs)
     samples = synthetic_samples()
+    if engine_routes is not None:
+        synthetic_routes(samples, actor.spec, engine_routes)
     if poison_advantage:  # a non-finite advantage must make the step skip, not corrupt weights
         samples[3].advantage = float("nan")
     batches = actor.prepare(samples, mini_batches=mini_batches)

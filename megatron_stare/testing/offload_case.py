@@ -17,7 +17,7 @@ import torch
 
 from megatron_stare.offload import Offloader, _sub_optimizers
 from megatron_stare.algorithms.stare import StareController
-from megatron_stare.testing.actor_case import build_case_actor, case_groups, synthetic_samples
+from megatron_stare.testing.actor_case import MOE_SPEC, build_case_actor, case_groups, synthetic_samples
 
 
 def live_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -49,7 +49,7 @@ def _tracked(actor) -> Dict[str, torch.Tensor]:
     for name, p in actor.module.named_parameters():
         out[f"param/{name}"] = p
         out[f"main_grad/{name}"] = p.main_grad
-    for i, buf in enumerate(actor.model.buffers):
+    for i, buf in enumerate(actor.model.buffers + actor.model.expert_parallel_buffers):
         if buf.param_data is not None:
             out[f"param_buffer/{i}"] = buf.param_data
         out[f"grad_buffer/{i}"] = buf.grad_data
@@ -84,13 +84,14 @@ def expected_offload_bytes(actor, level: str) -> int:
 
 def run_offload_case(rank: int, world: int, tp: int, pp: int, *, level: str = "all",
                      distributed_optimizer: bool = False, sequence_parallel: bool = False,
-                     dtype=torch.bfloat16) -> dict:
-    """See the module docstring."""
+                     dtype=torch.bfloat16, ep: int = 1) -> dict:
+    """See the module docstring (``ep`` > 1: the tiny MoE, ``MOE_SPEC``, at that expert parallel)."""
     groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, ep=ep)
+    model = {"spec": MOE_SPEC} if ep > 1 else {}
     out: dict = {}
     for offload in (True, False):
-        actor, algo = build_case_actor(groups, dtype=dtype, lr=1e-4)
+        actor, algo = build_case_actor(groups, dtype=dtype, lr=1e-4, **model)
         _one_step(actor, algo, seed=0)
         if offload:
             off = Offloader(actor, level)

@@ -8,7 +8,8 @@ update after offload and reload equals one without, bit-exact, in every piece of
 parameters, gradients (``main_grad`` and the DDP buffers), main params, Adam's moments and step,
 and the distributed optimizer's buffers. Two layouts of 2 ranks: DP2 with the distributed
 optimizer (its param buffer and shard main params) and TP2 + sequence parallel (the plain bf16
-optimizer's fp32 copies); one spawn each, the ``optimizer`` level at DP2 (parameters stay)."""
+optimizer's fp32 copies); one spawn each, the ``optimizer`` level at DP2 (parameters stay); and
+the tiny MoE at EP2 with the distributed optimizer (expert weights, grads and optimizer state)."""
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ CASES = {
     "dp2_distopt_all": dict(world=2, tp=1, level="all", distributed_optimizer=True),
     "tp2_sp_all": dict(world=2, tp=2, level="all", sequence_parallel=True),
     "dp2_distopt_optimizer": dict(world=2, tp=1, level="optimizer", distributed_optimizer=True),
+    # The tiny MoE at EP2: the experts' DDP buffers and their optimizer (over expert-data-parallel).
+    "ep2_moe_distopt_all": dict(world=2, tp=1, level="all", distributed_optimizer=True, ep=2),
 }
 
 
@@ -58,6 +61,8 @@ def test_offload_releases_storage(cases, name):
             assert kept and all(sizes[n] > 0 for n in kept), "the optimizer level moved parameters"
             moved += [n for n in sizes if n.startswith("main_param/")]  # bf16: fp32 copies
         assert moved and all(sizes[n] == 0 for n in moved), [n for n in moved if sizes[n]]
+        if CASES[name].get("ep", 1) > 1:
+            assert any(".experts." in n for n in moved if n.startswith("main_grad/")), "no expert state moved"
         assert r["sizes_again"] == sizes, "resident() did not offload again"
         during = r["sizes_params_resident"]
         assert all(during[n] > 0 for n in during if n.startswith(("param/", "param_buffer/")))

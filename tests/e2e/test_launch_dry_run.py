@@ -27,6 +27,7 @@ SCRIPTS = {
     "32b": ("launch/train_32b_longcot.sh", "examples/qwen2.5_32b_longcot.yaml"),
     "7b": ("launch/train_7b_shortcot.sh", "examples/qwen2.5_7b_shortcot.yaml"),
     "tiny": ("launch/train_tiny_cpu.sh", "examples/tiny_cpu.yaml"),
+    "30b_a3b": ("launch/train_30b_a3b.sh", "examples/qwen3_30b_a3b.yaml"),
 }
 _ENV_KEYS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "GPU_MEM_GB", "MODEL_DIR", "DATA_DIR",
              "RUN_DIR", "TINY_DIR", "NPROC", "MASTER_ADDR", "MASTER_PORT", "MASTER_WAIT_S", "VENV", "PYTHON")
@@ -84,6 +85,17 @@ def test_32b_dry_run_fits_on_4_nodes(run):
     print(out)
 
 
+def test_30b_a3b_dry_run_plans_the_experts(run):
+    """Qwen3-30B-A3B on 4 nodes: EP8, colocated vLLM, routing replay r3 (tests/unit/test_plan_moe.py
+    has the numbers by hand)."""
+    res = run(SCRIPTS["30b_a3b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "30.53B parameters" in out and "tp 2 x pp 2 x cp 1 x dp 8 = 32" in out
+    assert "ep 8 x etp 1 -> 16 experts per rank" in out and "sharded over edp 2" in out
+    assert "routing replay r3: 1152 B/token" in out and "MoE dispatcher buffers" in out and "fits" in out
+
+
 def test_bad_config_is_one_line_exit_2(run):
     res = run(SCRIPTS["32b"][0], "--dry-run", "parallel.tpp=8")
     assert res.returncode == 2 and res.stdout == ""
@@ -113,7 +125,8 @@ def test_script_overrides_agree_with_yaml(run, name):
     res = run(script, "--print-cmd")
     assert res.returncode == 0, res.stderr
     cmd = shlex.split(res.stdout)
-    assert cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1] == "megatron_stare.train"
+    # torchrun runs inside megatron_stare.run (its Ctrl-C and exit codes), which starts the trainer.
+    assert cmd[1:3] == ["-m", "megatron_stare.run"] and "megatron_stare.train" not in cmd
     overrides = cmd[cmd.index("--config") + 2:]
     assert cmd[cmd.index("--config") + 1] == yaml and overrides
     assert to_dict(load_config(str(ROOT / yaml), overrides)) == to_dict(load_config(str(ROOT / yaml)))

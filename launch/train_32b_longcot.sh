@@ -115,6 +115,7 @@ DATA_ARGS=(
 CKPT_ARGS=(
   checkpoint.dir="$RUN_DIR/ckpt"
   checkpoint.save_every=20
+  checkpoint.async_save=true
   checkpoint.keep_last=3
 )
 LOG_ARGS=(

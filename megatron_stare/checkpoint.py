@@ -115,11 +115,19 @@ def _rank() -> int:
 
 def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_state: Dict[str, Any],
                     keep_last: int = 3, hf_config: Optional[dict] = None,
-                    hf_dir: Optional[PathLike] = None) -> Path:
+                    hf_dir: Optional[PathLike] = None, background=None) -> Optional[Path]:
     """Save step ``step`` (collective over all ranks); prune to the newest ``keep_last``.
 
     ``hf_dir``: the run's HF model directory; its tokenizer files, chat template and generation
-    config are saved under ``model/hf/``, so ``megatron_to_hf`` writes a model that generates."""
+    config are saved under ``model/hf/``, so ``megatron_to_hf`` writes a model that generates.
+
+    ``background`` (an enabled ``async_save.BackgroundSaves``): after waiting for the save in
+    flight, plan this one and write its small files, then leave the tensor writes to the
+    background and return None; the directory becomes ``step_<N>`` (manifest, rename, prune) at
+    the save's finalization, which ``background`` runs and reports."""
+    bg = background is not None and background.enabled
+    if bg:
+        background.wait()  # never two in flight
     from megatron_stare.models.dist_ckpt import save_model, save_optimizer
     from megatron_stare.models.hf_export import side_files
 
@@ -132,11 +140,12 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    problem = None
+    problem, parts = None, []
     try:
-        save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config,
-                   extra_files=side_files(hf_dir) if hf_dir is not None else None)
-        save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer", spec)
+        parts.append(save_model(actor.model, groups, tmp / "model", spec, hf_config=hf_config, background=bg,
+                                extra_files=side_files(hf_dir) if hf_dir is not None else None))
+        parts.append(save_optimizer(actor.optimizer, actor.scheduler, actor.model, groups, tmp / "optimizer",
+                                    spec, background=bg))
         per_rank = {"rng": rng_state(), "layout": vars(groups.layout).copy()}
         part = tmp / f"rank_{dist.get_rank():05d}.pt"
         torch.save(per_rank, str(part) + ".tmp")
@@ -145,6 +154,16 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
             (tmp / STATE).write_text(json.dumps(trainer_state, indent=1, default=_json_default))
     except SAVE_ERRORS as e:  # a full disk, a permission, a file-system error (megatron wraps them)
         problem = _cause(e, root)
+    if bg:
+        _save_agreed(problem, root, tmp, step)
+        background.start(step, root, parts, lambda problem: _complete(root, tmp, final, step, keep_last, problem))
+        return None
+    return _complete(root, tmp, final, step, keep_last, problem)
+
+
+def _complete(root: Path, tmp: Path, final: Path, step: int, keep_last: int, problem: Optional[str]) -> Path:
+    """Collective, once every rank's files are in ``tmp``: agree on ``problem`` (any rank's),
+    write the manifest, rename ``tmp`` to ``final``, prune to the newest ``keep_last``."""
     _save_agreed(problem, root, tmp, step)  # the barrier before the manifest, too
     try:
         write_manifest(tmp, step)  # every rank hashes its share; rank 0 writes COMPLETE

@@ -14,8 +14,9 @@ earlier one, each then waiting in a different collective).
 
 Cost: SHA-256 (hashlib, SHA-NI) ran at ~800 MiB/s on one busy core of the project's CPU machine,
 0.7x the time of writing the same bytes there (``benchmarks/bench_checkpoint_hash.py``); BLAKE2b
-was slower (550 MiB/s). Spread over the ranks, a save's hashing costs about 0.7x its own write
-time on such a disk, once per ``checkpoint.save_every`` steps; a resume reads everything once.
+was slower (550 MiB/s). Saving, the tensor files (nearly all the bytes) are not read back: their
+writer processes hashed the bytes as they wrote them (``checkpoint_writer``), in the background
+with ``checkpoint.async_save``; only the small files are read. A resume reads everything once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
+
+from megatron_stare.checkpoint_writer import HASH_SUFFIX, written_sha256
 
 COMPLETE = "COMPLETE"
 FORMAT = 2
@@ -96,15 +99,29 @@ def shares(sizes: Dict[str, int], world: int) -> List[List[str]]:
 
 def _listing(d: Path) -> Dict[str, int]:
     return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*"))
-            if p.is_file() and p.name != COMPLETE and not p.name.endswith(".tmp")}
+            if p.is_file() and p.name != COMPLETE and not p.name.endswith((".tmp", HASH_SUFFIX))}
 
 
-def write_manifest(d: Path, step: int) -> None:
+def _digest(path: Path, read_back: List[int]) -> str:
+    """The writer's digest of ``path`` (``checkpoint_writer``: computed as it wrote the bytes;
+    its sidecar removed), else the file read back and hashed (its size added to ``read_back``)."""
+    digest = written_sha256(path)
+    Path(str(path) + HASH_SUFFIX).unlink(missing_ok=True)
+    if digest is None:
+        read_back[0] += path.stat().st_size
+        digest = file_sha256(path)
+    return digest
+
+
+def write_manifest(d: Path, step: int) -> Dict[str, int]:
     """Collective: hash every file under ``d`` (each rank its share); rank 0 writes ``d/COMPLETE``
-    atomically. Call when every rank has finished writing into ``d``."""
+    atomically. Call when every rank has finished writing into ``d``. The tensor files come with
+    the digest their writer computed as it wrote them: only the rest is read back. Returns
+    ``{"bytes": all files, "read_back": bytes this rank read to hash them}``."""
     rank, world = _rank_world()
     sizes = from_rank0(_listing(d) if rank == 0 else None)
-    mine = {name: file_sha256(d / name) for name in shares(sizes, world)[rank]}
+    read_back = [0]
+    mine = {name: _digest(d / name, read_back) for name in shares(sizes, world)[rank]}
     digests: Dict[str, str] = {}
     for part in _from_all(mine):
         digests.update(part)
@@ -113,6 +130,7 @@ def write_manifest(d: Path, step: int) -> None:
         tmp = d / (COMPLETE + ".tmp")
         tmp.write_text(json.dumps({"step": step, "format": FORMAT, "files": files}))
         os.replace(tmp, d / COMPLETE)
+    return {"bytes": sum(sizes.values()), "read_back": read_back[0]}
 
 
 def _read_manifest(d: Path) -> Tuple[Optional[Dict[str, dict]], Optional[str]]:

@@ -240,6 +240,10 @@ class CheckpointConfig:
     save_every_minutes: float = num(0.0, ge=0)
     """Minutes (rank 0's clock) after which the next step boundary saves, >= 0; 0 = off (needs dir).
     Combines with ``save_every``: either one triggers a save, and every save restarts the clock."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's async save, ``async_save.py``): the
+    step goes on while the tensors are written; a save is the latest only once finalized. Off by
+    default (on CPU the writers share the step's cores); the GPU recipes turn it on."""
     keep_last: int = num(3, ge=1)
     """Checkpoints kept, >= 1 (older ones are deleted)."""
     resume: str = "auto"

@@ -46,6 +46,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_stare.async_save import BackgroundSaves, save_run
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
@@ -115,6 +116,7 @@ class Trainer:
                                                                     self.tokenizer)
         self.timer = Timer(cuda_sync=torch.cuda.is_available())
         self.save_clock = SaveClock(cfg.checkpoint.save_every_minutes)  # rank 0's clock decides
+        self.saves = BackgroundSaves(cfg.checkpoint.async_save, done=self.console.saved)  # async_save.py
         self.phases_run: list = []  # this step's phases, in the order they ran
         self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
         # Every rank scores its share of each batch (rewards/sharded.py); the engine's spec
@@ -208,6 +210,7 @@ class Trainer:
         metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
         self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
         c, last = cfg.checkpoint, step + 1 == cfg.trainer.total_steps
+        self.saves.poll()  # a background save is finalized once every rank's writer is done
         if c.dir and ((c.save_every and (step + 1) % c.save_every == 0) or last
                       or self.save_clock.due(device=self.groups.device)):
             self.save(step + 1)
@@ -360,6 +363,7 @@ class Trainer:
         c = self.cfg.checkpoint
         if c.dir and step > self.saved_step:
             self.save(step)
+        self.saves.wait()  # a background save is finalized before the run stops
         self.console.preempted(sig.name, step, c.dir, self.start_step, exit_code(sig))
         return True
 
@@ -370,14 +374,8 @@ class Trainer:
                 "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
 
     def save(self, step: int) -> None:
-        from megatron_stare.checkpoint import save_checkpoint
-        from megatron_stare.models.provider import load_hf_config
-
         with trainer_turn(self):
-            self.console.saved(save_checkpoint(
-                self.cfg.checkpoint.dir, step, actor=self.actor, groups=self.groups, spec=self.model_spec,
-                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
-                hf_config=load_hf_config(self._hf_dir()), hf_dir=self._hf_dir()))
+            save_run(self, step)  # in the background with checkpoint.async_save (async_save.py)
         self.saved_step = step
         self.save_clock.saved()
 
@@ -428,6 +426,7 @@ class Trainer:
             self.pool.close()
         if self.engine is not None:
             self.engine.shutdown()
+        self.saves.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

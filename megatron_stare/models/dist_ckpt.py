@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_stare import checkpoint_writer
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
@@ -129,12 +131,17 @@ def start_writer_results_queue() -> None:
 
 def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGroups,
                  meta: CheckpointMeta, *, overwrite: bool = False, fully_parallel: bool = True,
-                 extra_files: Optional[Dict[str, PathLike]] = None) -> Path:
+                 extra_files: Optional[Dict[str, PathLike]] = None, background: bool = False):
     """Save any Megatron sharded state dict atomically into ``out_dir`` (collective, all ranks).
 
     ``overwrite=False`` refuses an existing checkpoint at ``out_dir``. ``extra_files``
     (``{relative name: source path}``, e.g. tokenizer files) are copied in by rank 0 before
     the checkpoint is completed, so they are part of the atomic save.
+
+    ``background``: plan the save and write the small files now, and return ``(request,
+    finish)`` instead of the path: megatron-core's ``AsyncRequest`` holding the tensor writes
+    and its finalization (``metadata.json``), and ``finish()`` (collective), which completes and
+    renames the directory after the request's finalization on every rank.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -149,6 +156,7 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
         tmp.mkdir(parents=True)
     dist.barrier()
     start_writer_results_queue()
+    checkpoint_writer.install()  # its workers hash as they write and die with their parent
     strategy = get_default_save_sharded_strategy()
     # Over DP x CP, as Megatron's own training does: context-parallel ranks hold replicas too.
     if fully_parallel and groups.layout.dp * groups.layout.cp > 1:
@@ -157,7 +165,18 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
         )
 
         strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_cp_group)
-    dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=strategy)
+    request = dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=strategy,
+                                      async_sharded_save=background)
+    finish = functools.partial(_finish_sharded, tmp, out, meta, extra_files)
+    if background:  # the caller schedules the writes (``async_save.py``), then calls ``finish``
+        return request, finish
+    return finish()
+
+
+def _finish_sharded(tmp: Path, out: Path, meta: CheckpointMeta,
+                    extra_files: Optional[Dict[str, PathLike]]) -> Path:
+    """After every rank's writes and Megatron's metadata: rank 0 completes the directory and
+    renames it to ``out``; then all ranks meet at a barrier."""
     if dist.get_rank() == 0:
         for name, src in (extra_files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -190,14 +209,16 @@ def load_sharded(sharded_state_dict: dict, ckpt_dir: PathLike) -> dict:
 
 def save_model(model: torch.nn.Module, groups: ParallelGroups, out_dir: PathLike, spec: GPTSpec, *,
                hf_config: Optional[dict] = None, extra: Optional[dict] = None,
-               overwrite: bool = False, extra_files: Optional[Dict[str, PathLike]] = None) -> Path:
-    """Save this layout's model stage(s) as one layout-independent checkpoint (collective)."""
+               overwrite: bool = False, extra_files: Optional[Dict[str, PathLike]] = None,
+               background: bool = False):
+    """Save this layout's model stage(s) as one layout-independent checkpoint (collective);
+    ``background``: as in ``save_sharded``."""
     lay = groups.layout
     meta = CheckpointMeta(spec=dataclasses.asdict(spec), hf_config=hf_config,
                           saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp},
                           extra=dict(extra or {}))
     return save_sharded(unwrap(model).sharded_state_dict(), out_dir, groups, meta,
-                        overwrite=overwrite, extra_files=extra_files)
+                        overwrite=overwrite, extra_files=extra_files, background=background)
 
 
 def load_model(model: torch.nn.Module, ckpt_dir: PathLike, spec: Optional[GPTSpec] = None
@@ -247,17 +268,17 @@ def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading:
 
 
 def save_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,
-                   out_dir: PathLike, spec: GPTSpec) -> Path:
+                   out_dir: PathLike, spec: GPTSpec, background: bool = False):
     """Save the optimizer's state (Adam moments, main params, step) and the LR schedule as one
     Megatron distributed checkpoint (collective, all ranks). ``model`` is the DDP-wrapped or
-    bare stage the optimizer was built over."""
+    bare stage the optimizer was built over; ``background``: as in ``save_sharded``."""
     lay = groups.layout
     meta = CheckpointMeta(spec=dataclasses.asdict(spec),
                           saved_layout={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp},
                           extra={"optimizer_format": optimizer_format(optimizer)})
     state = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=False),
              "scheduler": scheduler.state_dict()}
-    return save_sharded(state, out_dir, groups, meta)
+    return save_sharded(state, out_dir, groups, meta, background=background)
 
 
 def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: PathLike) -> None:

@@ -13,6 +13,10 @@ rank it strikes (default: every rank). Kinds:
   into the ``.partial`` directory (the save was under way and is not finished);
 - ``kill-engine-core``: the driver rank's server engine (``vllm-server``) loses its engine-core
   process (SIGKILL) as the step's generation starts; the server answers, or dies, for itself;
+- ``slow-write``: the step's checkpoint save (``checkpoint.async_save``: in the background) is
+  slow: each of megatron-core's writer workers, once it has opened its file, writes an empty file
+  ``slow_writer.r<rank>.<pid>`` into ``logging.dir`` and sleeps ``SLOW_WRITE_S`` before writing
+  (the test kills the job in that window, deterministically: the write cannot end in it);
 - ``sigterm`` / ``sigusr1``: the rank sends itself the signal mid-step (after the rollout, as
   the update starts); the step goes on, and the run must stop at the step boundary.
 
@@ -38,7 +42,22 @@ from unittest import mock
 
 from megatron_stare import train
 
-KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1")
+KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1", "slow-write")
+
+
+#: How long a ``slow-write`` writer sleeps before writing its file.
+SLOW_WRITE_S = 120.0
+
+
+def _slow_open(log_dir: str, real_open):
+    def slow_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)  # the writer's own set-up first (checkpoint_writer)
+        if mode == "wb":
+            Path(log_dir, f"slow_writer.r{os.environ.get('RANK')}.{os.getpid()}").touch()
+            time.sleep(SLOW_WRITE_S)
+        return f
+
+    return slow_open
 
 
 def _die(*_args, **_kwargs):
@@ -119,6 +138,14 @@ class FaultyTrainer(train.Trainer):
                     return generate(*args, **kwargs)
 
                 stack.enter_context(mock.patch.object(self.engine, "generate", generate_without_core))
+            elif kind == "slow-write":  # in effect when the save forks its writer, which keeps it
+                from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+                from megatron_stare import checkpoint_writer
+
+                checkpoint_writer.install()
+                stack.enter_context(mock.patch.object(filesystem_async, "open",
+                                                      _slow_open(self.cfg.logging.dir, filesystem_async.open)))
             elif kind == "kill-in-save":
                 real = os.replace
 

@@ -260,6 +260,39 @@ def test_kill_during_save_keeps_last_checkpoint_and_resumes_exactly(assets, unin
     assert _comparable(resumed) == _comparable(full)
 
 
+def test_kill_during_background_write_keeps_last_checkpoint_and_resumes_exactly(assets, uninterrupted, tmp_path):
+    """``checkpoint.async_save`` with a save every step; step 3's background write is slow (its
+    writer workers sleep once they have opened their files) and the job is SIGKILLed in it
+    (torchrun and both ranks, not the writers): step_2 stays the latest checkpoint, verified; no
+    writer outlives its rank; the rerun resumes from step_2 and reproduces the full run."""
+    from megatron_stare.run import children
+
+    args = ("checkpoint.async_save=true", "checkpoint.save_every=1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(Path(__file__).with_name("_fault_train.py")), "--fault", "slow-write@3",
+           "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), *_overrides(assets, tmp_path), *args]
+    proc = _popen(cmd, tmp_path)
+    logs, deadline = tmp_path / "logs", time.monotonic() + 600
+    while {p.name.split(".")[1] for p in logs.glob("slow_writer.*")} != {"r0", "r1"}:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+        time.sleep(0.1)
+    writers = [int(p.name.split(".")[2]) for p in logs.glob("slow_writer.*")]
+    assert all(Path(f"/proc/{pid}").exists() for pid in writers)
+    ranks = children(proc.pid)
+    for pid in [proc.pid, *ranks]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    _assert_no_leftovers(proc.mark)  # the writers died with their ranks
+    assert _complete(tmp_path) == "step_00000002"
+    assert (tmp_path / "ckpt" / ".step_00000003.partial").is_dir()
+    out = _run(assets, tmp_path, *args)
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'}" in out.stdout
+    assert _complete(tmp_path) == "step_00000004" and not list((tmp_path / "ckpt").rglob("*.sha256"))
+    resumed = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(resumed) == _comparable(full)
+
+
 @pytest.fixture
 def small_disk(tmp_path, uninterrupted):
     """A tmpfs that holds one and a half checkpoints of the run: the step-2 save fits, step 4's not."""

@@ -1,0 +1,135 @@
+"""megatron-core's checkpoint-writer processes: they hash what they write, and die with their parent.
+
+megatron-core 0.16.1's ``FileSystemWriterAsync.write_preloaded_data`` writes each tensor file
+(``__<rank>_<n>.distcp``, nearly all of a checkpoint's bytes) in a forked worker process, for the
+synchronous save (workers forked by the rank) and the background one (``async_save.py``:
+workers forked by a writer process the rank forked). Two things are added to those processes,
+through the one name they open their file with (``filesystem_async.open``, which shadows the
+builtin in that module only; ``install()``):
+
+- **Content hashes as written.** The file object is wrapped so every ``write`` also feeds a
+  SHA-256; on close (after megatron-core's ``fsync``) the digest and the byte count go into a
+  sidecar ``<file>.sha256``. The manifest (``checkpoint_manifest.write_manifest``) takes the digest
+  from there instead of reading the file back, and removes the sidecar. torch's writer writes
+  each file front to back (``_write_item`` through a write-only ``NoCloseWriter``; ``tell`` only):
+  should any other file method be used (``seek``, ...), no sidecar is written and the file is
+  read back as before. Verification on load reads the files themselves (the sidecars are gone).
+- **Writers ignore the preemption signals** torchrun sends to the rank's process group (which
+  they share): they would run the rank's recording handlers otherwise, or raise
+  ``KeyboardInterrupt`` mid-write on a second Ctrl-C.
+- **No writer outlives its rank.** A forked process does not carry the reaper's mark
+  (``reaper.py`` finds processes by their environment *at exec*, which a fork shares with its
+  parent's exec), so each writer asks the kernel to SIGKILL it when its parent dies
+  (``PR_SET_PDEATHSIG``): a rank killed mid-write takes its writer process, and that one its
+  workers, down within milliseconds. The parent is the one recorded just before the fork (an
+  ``os.register_at_fork`` hook): if it is already gone when the child looks, the child exits.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+#: The sidecar a writer leaves beside each file it wrote: ``{"size": n, "sha256": hex}``.
+HASH_SUFFIX = ".sha256"
+#: Methods a hashed file may be used through without losing track of its bytes.
+_SAFE = frozenset({"tell", "flush", "fileno", "name", "closed", "mode", "writable", "isatty"})
+
+_fork_parent: Optional[int] = None  # the pid that forked this process (set in the parent, inherited)
+_rank_pid: Optional[int] = None  # the process that installed the hooks: never a writer itself
+
+
+class HashingFile:
+    """A binary file opened for writing whose ``write`` calls also feed a SHA-256 (``digest``
+    after ``close``: the bytes in write order, i.e. the file's contents when it is written
+    sequentially). Any method not known to keep that true marks the file as not hashed."""
+
+    def __init__(self, f, path: str) -> None:
+        self._f, self._path, self._sha, self.size, self.sequential = f, path, hashlib.sha256(), 0, True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        self._sha.update(view)
+        self.size += view.nbytes
+        return self._f.write(view)
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        self._f.close()
+        if self.sequential and self.size == os.path.getsize(self._path):
+            # Written in place: a torn sidecar does not parse, and the file is then read back.
+            with builtins.open(self._path + HASH_SUFFIX, "w") as s:
+                json.dump({"size": self.size, "sha256": self._sha.hexdigest()}, s)
+
+    def __enter__(self) -> "HashingFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        if name not in _SAFE:
+            self.sequential = False
+        return getattr(self._f, name)
+
+
+def written_sha256(path: Path) -> Optional[str]:
+    """The SHA-256 the writer computed for ``path`` while writing it, or None (no sidecar, or
+    one that does not match the file's size)."""
+    try:
+        entry = json.loads(Path(str(path) + HASH_SUFFIX).read_text())
+        return entry["sha256"] if int(entry["size"]) == Path(path).stat().st_size else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def die_with_parent() -> None:
+    """In a forked writer: ignore the preemption signals (the rank decides: it waits for its
+    writers, then stops) and be SIGKILLed when the parent that forked this process dies (Linux);
+    exit at once if that parent is gone already. A no-op in the rank itself (should a future
+    megatron-core write in-process)."""
+    if os.getpid() == _rank_pid:
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _fork_parent is not None and os.getppid() != _fork_parent:
+        os._exit(1)
+
+
+def _writer_open(file, mode="r", *args, **kwargs):
+    """``open`` as megatron-core's writer worker sees it (it opens only its output file)."""
+    f = builtins.open(file, mode, *args, **kwargs)
+    if mode != "wb":
+        return f
+    die_with_parent()
+    return HashingFile(f, os.fspath(file))
+
+
+def _remember_parent() -> None:
+    global _fork_parent
+    _fork_parent = os.getpid()
+
+
+def install() -> None:
+    """Route megatron-core's writer workers through ``_writer_open``; idempotent."""
+    global _rank_pid
+    if _rank_pid is not None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.open = _writer_open
+    os.register_at_fork(before=_remember_parent)
+    _rank_pid = os.getpid()

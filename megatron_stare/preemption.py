@@ -1,5 +1,7 @@
-"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint at the next step boundary and exit 75;
-SIGINT (Ctrl-C) does the same and exits 130.
+"""Preemption: SIGTERM or SIGUSR1 makes the run checkpoint and exit 75; SIGINT (Ctrl-C) does the
+same and exits 130. A signal during a step's rollout (generate, score) stops it at once and saves
+the step's start (``step_interrupt.py``); in any other phase the step finishes and saves at the
+boundary, as below.
 
 A signal handler only records the signal. At every step boundary the ranks all-reduce (MAX) what
 they recorded (``Preemption.agreed``), so every rank takes the same decision at the same step,
@@ -61,6 +63,17 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 REPEAT_WINDOW_S = 1.0
 
 
+class StepInterrupted(BaseException):
+    """A preemption signal stopped a step's rollout (generate, gather or score) before the step's
+    first optimizer update: the trainer's state is still the step's start (``step_interrupt.py``).
+    A ``BaseException``, as ``KeyboardInterrupt``: ``except Exception`` (a reward's error
+    handling, an engine's retry) must not swallow it."""
+
+    def __init__(self, phase: str = "") -> None:
+        super().__init__(phase)
+        self.phase = phase
+
+
 def exit_code(sig: Optional[int]) -> int:
     """The exit code of a run stopped by ``sig``: 130 for SIGINT, else 75."""
     return INTERRUPTED_EXIT_CODE if sig == signal.SIGINT else PREEMPTED_EXIT_CODE
@@ -81,6 +94,14 @@ class Preemption:
         """The first preemption signal this process received (its number), or None."""
         self.stopped_by: Optional[signal.Signals] = None
         """The signal the ranks agreed to stop on (``agreed``), or None."""
+        self.received_at: Optional[float] = None
+        """``time.monotonic()`` when ``received`` was recorded."""
+        self.raise_now = False
+        """Set around a call that can only be cut from the handler (an inline reward call): the
+        handler then raises ``StepInterrupted`` after recording (``step_interrupt.py``)."""
+        self.on_signal = None
+        """Called with the signal number when the first one is recorded (``step_interrupt.py``
+        notes the phase it came in); runs in the handler: it must only record."""
         self._first_interrupt: Optional[float] = None
         self._previous: Dict[int, object] = {}
 
@@ -100,8 +121,17 @@ class Preemption:
                 self._first_interrupt = now
             elif now - self._first_interrupt > REPEAT_WINDOW_S:
                 raise KeyboardInterrupt  # a second press: stop now
+        self.note(signum)
+        if self.raise_now:
+            raise StepInterrupted()
+
+    def note(self, signum: int) -> None:
+        """Record ``signum`` unless a signal is recorded already (the handler; or a watcher
+        thread that heard of it first: ``step_interrupt.py``)."""
         if self.received is None:
-            self.received = signum
+            self.received, self.received_at = signum, time.monotonic()
+            if self.on_signal is not None:
+                self.on_signal(signum)
 
     def agreed(self, group: Optional["dist.ProcessGroup"] = None,
                device: Optional["torch.device"] = None) -> Optional[signal.Signals]:

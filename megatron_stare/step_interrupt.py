@@ -142,10 +142,10 @@ class StepInterrupts:
         sig = self.pre.agreed(device=self.tr.groups.device)
         if sig is None:
             return False
-        tr, c = self.tr, self.tr.cfg.checkpoint
+        tr, c, t = self.tr, self.tr.cfg.checkpoint, time.monotonic()
         if c.dir and step > tr.saved_step:
             tr.save(step)
-        self._say(sig, step, "the step finished")
+        self._say(sig, step, "the step finished", t)
         return True
 
     def close(self) -> None:
@@ -169,15 +169,18 @@ class StepInterrupts:
 
     def _stop(self, start: StepStart, phase: str) -> None:
         """The ranks agreed to stop inside step ``start.step``: save its start, say so."""
-        tr, c = self.tr, self.tr.cfg.checkpoint
+        tr, c, t = self.tr, self.tr.cfg.checkpoint, time.monotonic()
         set_rng_state(start.rng)  # the rollout may have drawn from the global generators
         if c.dir and start.step > tr.saved_step:
             tr.save(start.step, state=start.trainer_state)
-        self._say(self.pre.stopped_by, start.step, f"{phase} stopped; the step's start saved")
+        self._say(self.pre.stopped_by, start.step, f"{phase} stopped", t)
 
-    def _say(self, sig: signal.Signals, step: int, what: str) -> None:
-        where, t = self.heard or (self.where, time.monotonic())
-        how = f"signal during {where}: {what}, {time.monotonic() - t:.1f}s after it"
+    def _say(self, sig: signal.Signals, step: int, what: str, stopped_at: float) -> None:
+        """Rank 0's line: the phase the signal came in, how long until that phase (or the step)
+        ended, how long the save took."""
+        now = time.monotonic()
+        where, t = self.heard or (self.where, stopped_at)
+        how = f"signal during {where}: {what} {stopped_at - t:.1f}s after it, saved in {now - stopped_at:.1f}s"
         c = self.tr.cfg.checkpoint
         self.tr.console.preempted(sig.name, step, c.dir, self.tr.start_step, exit_code(sig), how=how)
 

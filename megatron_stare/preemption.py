@@ -42,6 +42,7 @@ these signals; their parent ends them.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -178,6 +179,23 @@ def write_status(code: int) -> None:
     if path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         with open(path, "w") as f:
             f.write(f"{code}\n")
+
+
+def leave(code: int) -> int:
+    """The process's exit with ``code``: a preempted rank (75, 130), its state saved and its
+    files closed, runs the ``atexit`` handlers and ends at once (``os._exit``): the
+    interpreter's teardown would spend seconds of the grace period in garbage collections that
+    walk every object of torch, Megatron and the model (measured: 5-7 s on a busy 2-core host).
+    Any other code is returned, for ``sys.exit``."""
+    if code not in (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE):
+        return code
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def interrupted_again() -> int:

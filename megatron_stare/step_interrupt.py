@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.checkpoint import rng_state, set_rng_state
+from megatron_stare.models.dist_ckpt import start_writer_results_queue
 from megatron_stare.preemption import PREEMPTION_SIGNALS, Preemption, StepInterrupted, exit_code
 from megatron_stare.rollout.phases import GENERATE, SCORE, Phase
 
@@ -79,6 +80,10 @@ class StepInterrupts:
             trainer.engine.set_interrupt(self.requested)
         trainer.pool.interrupt = self
         self._relay = _Relay(self.pre)
+        if trainer.cfg.checkpoint.dir:
+            # The checkpoint writer's results queue is a spawned process, started on a rank's
+            # first save (seconds on a busy host): start it now, not in the preemption's save.
+            start_writer_results_queue()
 
     # ------------------------------------------------------------------ what engines ask
     def requested(self) -> bool:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
-from megatron_stare.preemption import Preemption, interrupted_again, write_status
+from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.reaper import install as install_reaper
 from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
@@ -493,4 +493,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))  # a preempted rank ends at once (preemption.leave)

@@ -52,6 +52,7 @@ from typing import Optional, Tuple
 from unittest import mock
 
 from megatron_stare import train
+from megatron_stare.preemption import leave
 
 KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1",
          "sigterm-in-generate", "sigterm-in-score", "sigterm-in-sync")
@@ -248,4 +249,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))  # as python -m megatron_stare.train

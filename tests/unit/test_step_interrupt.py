@@ -71,6 +71,7 @@ def test_reward_workers_stop_waiting_when_interrupted():
 
 def _interrupts(pool):
     tr = SimpleNamespace(preemption=Preemption.install(), engine=None, pool=pool,
+                         cfg=SimpleNamespace(checkpoint=SimpleNamespace(dir=None)),
                          groups=SimpleNamespace(device=torch.device("cpu")))
     return StepInterrupts(tr)
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from megatron_stare.checkpoint import rng_state, set_rng_state
 from megatron_stare.models.dist_ckpt import start_writer_results_queue
 from megatron_stare.preemption import PREEMPTION_SIGNALS, Preemption, StepInterrupted, exit_code
+from megatron_stare.rollout.async_loop import encode_in_flight
 from megatron_stare.rollout.phases import GENERATE, SCORE, Phase
 
 __all__ = ["INTERRUPTIBLE", "RELAY_POLL_S", "StepInterrupts"]
@@ -61,6 +62,13 @@ class StepStart:
     step: int
     trainer_state: Dict[str, Any]
     rng: Dict[str, Any]
+    in_flight: list
+    """The rollout pipeline's batches (``async_loop.Launched``), encoded only if saved: they do
+    not change before the update, and encoding them every step would cost a JSON dump of every
+    log-prob in flight."""
+
+    def state(self) -> Dict[str, Any]:
+        return {**self.trainer_state, "in_flight": encode_in_flight(self.in_flight) if self.in_flight else []}
 
 
 class StepInterrupts:
@@ -87,8 +95,11 @@ class StepInterrupts:
 
     # ------------------------------------------------------------------ what engines ask
     def requested(self) -> bool:
-        """True inside an interruptible phase once this rank knows of a signal: stop now."""
-        return self._armed and self.pre.received is not None
+        """True inside an interruptible phase once this rank knows of a signal: stop now. Only
+        the main thread is stopped (the rollout pipeline's thread generates while the step
+        trains: that generation finishes with the step)."""
+        return (self._armed and self.pre.received is not None
+                and threading.current_thread() is threading.main_thread())
 
     @contextmanager
     def raising(self) -> Iterator[None]:
@@ -132,7 +143,13 @@ class StepInterrupts:
         after its start was saved and the console said so."""
         tr = self.tr
         self._step = step
-        start = StepStart(step, tr.trainer_state(step), rng_state())
+        rollouts, tr.rollouts = tr.rollouts, None  # trainer_state without the batches in flight
+        try:
+            state = tr.trainer_state(step)
+        finally:
+            tr.rollouts = rollouts
+        jobs = rollouts.pipeline.in_flight() if rollouts.pipeline.staleness else []
+        start = StepStart(step, state, rng_state(), jobs)
         try:
             tr.rollouts.step(step)
         except StepInterrupted as e:
@@ -177,7 +194,7 @@ class StepInterrupts:
         tr, c, t = self.tr, self.tr.cfg.checkpoint, time.monotonic()
         set_rng_state(start.rng)  # the rollout may have drawn from the global generators
         if c.dir and start.step > tr.saved_step:
-            tr.save(start.step, state=start.trainer_state)
+            tr.save(start.step, state=start.state())
         self._say(self.pre.stopped_by, start.step, f"{phase} stopped", t)
 
     def _say(self, sig: signal.Signals, step: int, what: str, stopped_at: float) -> None:

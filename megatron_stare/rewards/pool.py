@@ -203,6 +203,7 @@ class RewardPool:
         self._closed = False
         self._fatal: Optional[str] = None
         self.interrupt = None
+        self._cut = False
         """Set by the trainer (``step_interrupt.StepInterrupts``): its ``requested()`` stops the
         scoring (``wait``; inline, between responses and inside a call)."""
         if cfg.num_workers == 0:
@@ -250,6 +251,7 @@ class RewardPool:
             if self.interrupt is not None and self.interrupt.requested():
                 with self._lock:
                     self._pending = collections.deque(p for p in self._pending if p[0] is not fut)
+                self._cut = True  # the calls in flight are abandoned: close() need not wait for them
                 raise StepInterrupted("score")
         return fut.result()
 
@@ -275,7 +277,7 @@ class RewardPool:
                 pass
         for w in self._workers:
             try:
-                w.proc.wait(2)
+                w.proc.wait(0 if self._cut else 2)
             except subprocess.TimeoutExpired:
                 pass
             w.kill()

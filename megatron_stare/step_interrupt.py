@@ -80,7 +80,9 @@ class StepInterrupts:
         self.tr = trainer
         self.pre: Preemption = trainer.preemption
         self.where = "the set-up"  # what the trainer is doing now, for the console line
-        self.heard: Optional[Tuple[str, float]] = None  # (where, monotonic time) of the first signal
+        self.heard: Optional[Tuple[str, float, float]] = None
+        """Where the first signal (on any rank) found its rank, and when: ``time.monotonic()`` here
+        and ``time.time()`` (which the relay carries to the other ranks)."""
         self._armed = False  # inside an interruptible phase
         self.pre.on_signal = self._heard
         if self.pre.received is not None:  # during the set-up, before this existed
@@ -88,7 +90,7 @@ class StepInterrupts:
         if trainer.engine is not None:
             trainer.engine.set_interrupt(self.requested)
         trainer.pool.interrupt = self
-        self._relay = _Relay(self.pre)
+        self._relay = _Relay(self)
         if trainer.cfg.checkpoint.dir:
             # The checkpoint writer's results queue is a spawned process, started on a rank's
             # first save (seconds on a busy host): start it now, not in the preemption's save.
@@ -177,8 +179,15 @@ class StepInterrupts:
 
     # ------------------------------------------------------------------ internals
     def _heard(self, signum: int) -> None:
-        # In the signal handler (or the relay thread): only record.
-        self.heard = (self.where, time.monotonic())
+        # In the signal handler (or the relay thread, which may have set it from another rank's
+        # report first): only record.
+        if self.heard is None:
+            self.heard = (self.where, time.monotonic(), time.time())
+
+    def learned(self, where: str, wall: float) -> None:
+        """Another rank's signal, as the relay found it: that rank's phase and clock."""
+        if self.heard is None:
+            self.heard = (where, time.monotonic() - max(0.0, time.time() - wall), wall)
 
     def _agree(self, name: str, cut: bool) -> None:
         mine = self.pre.received or (signal.SIGTERM if cut else 0)
@@ -202,8 +211,9 @@ class StepInterrupts:
         """Rank 0's line: the phase the signal came in, how long until that phase (or the step)
         ended, how long the save took."""
         now = time.monotonic()
-        where, t = self.heard or (self.where, stopped_at)
-        how = f"signal during {where}: {what} {stopped_at - t:.1f}s after it, saved in {now - stopped_at:.1f}s"
+        where, t, _ = self.heard or (self.where, stopped_at, 0.0)
+        how = (f"signal during {where}: {what} {max(0.0, stopped_at - t):.1f}s after it, "
+               f"saved in {now - stopped_at:.1f}s")
         c = self.tr.cfg.checkpoint
         self.tr.console.preempted(sig.name, step, c.dir, self.tr.start_step, exit_code(sig), how=how)
 
@@ -212,11 +222,12 @@ class _Relay:
     """This rank's preemption signals to the rendezvous store, and other ranks' back: a thread
     woken by the interpreter's signal wakeup fd (each handled signal's number, written by the
     C-level handler, so it is heard even while the main thread is blocked in a collective), which
-    publishes the first signal under one key and polls that key every ``RELAY_POLL_S``. Without
-    a process group (or a store) it only hears this rank's own signals."""
+    publishes the first signal under one key (``signum|unix time|phase``) and polls that key
+    every ``RELAY_POLL_S``. Without a process group (or a store) it only hears this rank's own
+    signals."""
 
-    def __init__(self, pre: Preemption) -> None:
-        self.pre = pre
+    def __init__(self, owner: StepInterrupts) -> None:
+        self.owner, self.pre = owner, owner.pre
         self._closed = threading.Event()
         self._store = None
         if dist.is_initialized():
@@ -251,10 +262,13 @@ class _Relay:
                 continue
             try:
                 if self.pre.received is not None and not published:
-                    self._store.set(self._key, str(int(self.pre.received)))
+                    where, _, wall = self.owner.heard or (self.owner.where, 0.0, time.time())
+                    self._store.set(self._key, f"{int(self.pre.received)}|{wall}|{where}")
                     published = True
                 elif self.pre.received is None and self._store.check([self._key]):
-                    self.pre.note(int(self._store.get(self._key)))
+                    sig, wall, where = self._store.get(self._key).decode().split("|", 2)
+                    self.owner.learned(where, float(wall))
+                    self.pre.note(int(sig))
             except Exception:  # noqa: BLE001 - the store is gone: the run is ending
                 return
 

@@ -115,7 +115,9 @@ class Preemption:
 
     def _record(self, signum: int, frame) -> None:
         # Only a flag: a handler runs between two bytecodes of the main thread, which may be in
-        # the middle of a print or a collective; everything else happens at the step boundary.
+        # the middle of a print or a collective; everything else happens at the step boundary or
+        # at an interruptible phase's exit. The one exception: ``raise_now``, set only around a
+        # call nothing else can cut (an inline reward call).
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self._first_interrupt is None:

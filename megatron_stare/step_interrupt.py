@@ -84,6 +84,7 @@ class StepInterrupts:
         """Where the first signal (on any rank) found its rank, and when: ``time.monotonic()`` here
         and ``time.time()`` (which the relay carries to the other ranks)."""
         self._armed = False  # inside an interruptible phase
+        self._step = -1  # the running step (0-based)
         self.pre.on_signal = self._heard
         if self.pre.received is not None:  # during the set-up, before this existed
             self._heard(self.pre.received)
@@ -107,7 +108,8 @@ class StepInterrupts:
     @contextmanager
     def raising(self) -> Iterator[None]:
         """Around a call only the signal handler can cut (an inline reward call): inside an
-        interruptible phase, a signal raises ``StepInterrupted`` there."""
+        interruptible phase, a signal raises ``StepInterrupted`` there. A signal that reaches
+        another rank only is relayed here without a handler: the call ends first."""
         if not self._armed:
             yield
             return
@@ -138,8 +140,6 @@ class StepInterrupts:
             self.where = f"step {self._step + 1} after its {p.name}"
         if armed:
             self._agree(p.name, cut)
-
-    _step = -1
 
     def run(self, step: int) -> bool:
         """Run step ``step`` (0-based, ``step`` steps done); True if a signal stopped it inside,

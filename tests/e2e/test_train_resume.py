@@ -336,6 +336,7 @@ def test_sigterm_inside_a_step_stops_generation_and_scoring_at_once_and_resumes_
     env = {"MEGATRON_STARE_STATUS_FILE": str(status)}
     out = _run(assets, tmp_path, *chain, fault="sigterm-in-generate@2:1", expect=None, env=env)
     took = _signal_to_exit(out, 1, time.time())
+    print(f"generate: signal to exit {took:.1f}s")  # shown with -s
     assert status.read_text() == "75\n" and took <= 10, (took, out.stdout[-2000:], out.stderr[-3000:])
     passes = int(re.search(r"rank 0: (\d+) forward passes of 400", out.stderr).group(1))
     assert passes < 400, out.stderr[-3000:]  # stopped between decode steps, long before the end
@@ -345,6 +346,7 @@ def test_sigterm_inside_a_step_stops_generation_and_scoring_at_once_and_resumes_
     status.unlink()
     out = _run(assets, tmp_path, *chain, fault="sigterm-in-score@3", expect=None, env=env)
     took = _signal_to_exit(out, 0, time.time())
+    print(f"score: signal to exit {took:.1f}s")
     assert status.read_text() == "75\n" and took <= 10, (took, out.stdout[-2000:], out.stderr[-3000:])
     assert (f"preempted by SIGTERM after step 2: saved {ckpt / 'step_00000002'} (signal during score of "
             f"step 3: score stopped ") in out.stdout, out.stdout[-2000:]

@@ -137,9 +137,9 @@ class StepInterrupts:
             cut = True
         finally:
             self._armed = False
-            self.where = f"step {self._step + 1} after its {p.name}"
-        if armed:
+        if armed:  # waiting here for the others is still the phase
             self._agree(p.name, cut)
+        self.where = f"step {self._step + 1} after its {p.name}"
 
     def run(self, step: int) -> bool:
         """Run step ``step`` (0-based, ``step`` steps done); True if a signal stopped it inside,

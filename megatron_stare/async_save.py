@@ -42,8 +42,9 @@ from typing import Any, Callable, List, Optional, Tuple
 __all__ = ["BackgroundSaves", "save_run"]
 
 
-def save_run(trainer, step: int) -> None:
-    """Save ``trainer``'s (``train.Trainer``) state after ``step`` steps into
+def save_run(trainer, step: int, state: Optional[dict] = None) -> None:
+    """Save ``trainer``'s (``train.Trainer``) state after ``step`` steps (``state``: its
+    ``trainer_state(step)``, taken now when None) into
     ``checkpoint.dir`` (collective): reported by its console now, or, written in the background
     (``trainer.saves`` enabled), at its finalization."""
     from megatron_stare.checkpoint import save_checkpoint
@@ -51,7 +52,7 @@ def save_run(trainer, step: int) -> None:
 
     c, hf_dir = trainer.cfg.checkpoint, trainer._hf_dir()
     path = save_checkpoint(c.dir, step, actor=trainer.actor, groups=trainer.groups, spec=trainer.model_spec,
-                           trainer_state=trainer.trainer_state(step), keep_last=c.keep_last,
+                           trainer_state=state or trainer.trainer_state(step), keep_last=c.keep_last,
                            hf_config=load_hf_config(hf_dir), hf_dir=hf_dir, background=trainer.saves)
     if path is not None:
         trainer.console.saved(path)

@@ -269,13 +269,14 @@ class Console:
         return path
 
     def preempted(self, signal_name: str, step: int, ckpt_dir: Optional[str], start_step: int,
-                  code: int = PREEMPTED_EXIT_CODE) -> None:
-        """The run stops at the boundary after ``step`` on a preemption signal (rank 0's line)."""
+                  code: int = PREEMPTED_EXIT_CODE, how: str = "") -> None:
+        """The run stops with ``step`` steps done on a preemption signal (rank 0's line); ``how``:
+        the phase the signal came in, what became of it, the time since (``step_interrupt.py``)."""
         where = ("no checkpoint.dir: nothing saved" if not ckpt_dir
                  else "no step finished since the start" if step == start_step
                  else f"saved {Path(ckpt_dir).absolute() / f'step_{step:08d}'}")
-        self.note(f"preempted by {signal_name} after step {step}: {where}; rerun the same command to resume "
-                  f"(exit {code})")
+        self.note(f"preempted by {signal_name} after step {step}: {where}{f' ({how})' if how else ''}; rerun the "
+                  f"same command to resume (exit {code})")
 
     def finished(self, start_step: int, stopped: Optional[int] = None) -> None:
         """The final line of a run that ran to ``total_steps`` from ``start_step`` (nothing when

@@ -29,7 +29,8 @@ batches of the next k steps generate in a worker thread while this step trains (
 before the sync, and a sample is at most k policy versions old. With k = 0 ``fit`` runs exactly
 ``step``.
 
-On a preemption signal (SIGTERM, SIGUSR1, SIGINT) the ranks save at the step boundary (``preemption.py``).
+On a preemption signal (SIGTERM, SIGUSR1, SIGINT) the ranks save at the step boundary (``preemption.py``);
+one during a step's rollout stops it and saves the step's start at once (``step_interrupt.py``).
 Exit codes: 0 done, 2 user error, 75 preempted after saving, 130 Ctrl-C (saved), else a failure.
 """
 
@@ -50,12 +51,13 @@ from megatron_stare.async_save import BackgroundSaves, save_run
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
-from megatron_stare.preemption import Preemption, exit_code, interrupted_again, write_status
+from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.reaper import install as install_reaper
 from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.save_schedule import SaveClock
+from megatron_stare.step_interrupt import StepInterrupts
 
 
 class Trainer:
@@ -126,6 +128,7 @@ class Trainer:
 
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
+        self.interrupts = StepInterrupts(self)  # a signal inside a step's rollout stops it (step_interrupt.py)
         self.start_step, self.skipped = 0, 0
         self.version, self.rollouts, self._saved_in_flight = 0, None, []
         with trainer_turn(self):
@@ -148,10 +151,9 @@ class Trainer:
         stopped = None
         try:
             for step in range(self.start_step, self.cfg.trainer.total_steps):
-                if self.preempted(step):
+                if self.preempted(step) or self.interrupts.run(step):  # runs the step
                     stopped = step
                     break
-                self.rollouts.step(step)
         finally:
             self.rollouts.close()
         self.close()
@@ -223,7 +225,7 @@ class Trainer:
     def phase(self, p: Phase) -> Iterator[None]:
         """Time phase ``p`` (``time/<name>``) and record that it ran."""
         self.phases_run.append(p.name)
-        with self.timer(p.name):
+        with self.timer(p.name), self.interrupts.phase(p):
             yield
 
     def rollout(self, step: int):
@@ -357,15 +359,7 @@ class Trainer:
     def preempted(self, step: int) -> bool:
         """At a step boundary (``step`` steps done), collectively: did any rank get a preemption
         signal? If so, save the finished step (unless it is saved already) and say so."""
-        sig = self.preemption.agreed(device=self.groups.device)
-        if sig is None:
-            return False
-        c = self.cfg.checkpoint
-        if c.dir and step > self.saved_step:
-            self.save(step)
-        self.saves.wait()  # a background save is finalized before the run stops
-        self.console.preempted(sig.name, step, c.dir, self.start_step, exit_code(sig))
-        return True
+        return self.interrupts.at_boundary(step)
 
     # ------------------------------------------------------------------ state
     def trainer_state(self, step: int) -> dict:
@@ -373,9 +367,9 @@ class Trainer:
                 "in_flight": self.rollouts.state() if self.rollouts is not None else [],
                 "gepo": self.gepo.state_dict() if self.gepo else None, "skipped_steps": self.skipped}
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, state: Optional[dict] = None) -> None:  # state: trainer_state(step)
         with trainer_turn(self):
-            save_run(self, step)  # in the background with checkpoint.async_save (async_save.py)
+            save_run(self, step, state)  # in the background with checkpoint.async_save (async_save.py)
         self.saved_step = step
         self.save_clock.saved()
 
@@ -419,6 +413,7 @@ class Trainer:
         return m.path
 
     def close(self) -> None:
+        self.interrupts.close()
         if self._owns_preemption:
             self.preemption.close()
         self.logger.close()
@@ -496,4 +491,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))  # a preempted rank ends at once (preemption.leave)

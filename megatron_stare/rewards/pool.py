@@ -24,6 +24,7 @@ numbers come back per response as ``RewardFuture.extras()``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -34,7 +35,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from megatron_stare.preemption import PREEMPTION_SIGNALS, ignore_preemption_signals
+from megatron_stare.preemption import PREEMPTION_SIGNALS, StepInterrupted, ignore_preemption_signals
 from megatron_stare.rewards.contract import build_reward, load_worker_spec, normalize_return, worker_spec
 from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
@@ -45,14 +46,18 @@ log = logging.getLogger(__name__)
 
 #: Seconds past ``timeout_s`` before the parent kills a worker (the soft limit fires first).
 HARD_KILL_GRACE_S = 2.0
+#: How often ``RewardPool.wait`` asks whether a preemption signal stops the scoring (seconds).
+INTERRUPT_POLL_S = 0.1
 
 
 def score_one(fn, response: str, answer: Any, metadata: dict,
-              timeout_s: float) -> Tuple[float, str, Dict[str, float]]:
+              timeout_s: float, interrupt=None) -> Tuple[float, str, Dict[str, float]]:
     """``(score, status, extras)`` of one call under the soft limit; status 'ok', 'timeout' or
-    'error: ...'; ``extras`` the numeric keys of a dict return other than ``score``."""
+    'error: ...'; ``extras`` the numeric keys of a dict return other than ``score``. With an
+    ``interrupt`` (``step_interrupt.StepInterrupts``), a preemption signal cuts the call:
+    ``StepInterrupted``."""
     try:
-        with deadline(timeout_s):
+        with deadline(timeout_s), (interrupt.raising() if interrupt is not None else contextlib.nullcontext()):
             value = fn(response, answer, metadata)
     except RewardTimeout:
         return 0.0, "timeout", {}
@@ -197,6 +202,10 @@ class RewardPool:
         self._pending: Deque[Tuple[RewardFuture, int, str, str, dict]] = collections.deque()
         self._closed = False
         self._fatal: Optional[str] = None
+        self.interrupt = None
+        self._cut = False
+        """Set by the trainer (``step_interrupt.StepInterrupts``): its ``requested()`` stops the
+        scoring (``wait``; inline, between responses and inside a call)."""
         if cfg.num_workers == 0:
             _warmup(self.fn)
             return
@@ -222,7 +231,9 @@ class RewardPool:
                 raise RewardError("reward: reward.num_workers=0 scores in the calling thread, whose "
                                   "timeout needs the main thread; call from it or set reward.num_workers>=1")
             for i, (r, a, m) in enumerate(zip(responses, answers, metadatas)):
-                fut._set(i, *score_one(self.fn, r, a, m, self.cfg.timeout_s))
+                if self.interrupt is not None and self.interrupt.requested():
+                    raise StepInterrupted("score")
+                fut._set(i, *score_one(self.fn, r, a, m, self.cfg.timeout_s, self.interrupt))
             return fut
         with self._lock:
             if self._fatal is not None:
@@ -231,6 +242,18 @@ class RewardPool:
                                  enumerate(zip(responses, answers, metadatas)))
             self._wake_w.send(None)
         return fut
+
+    def wait(self, fut: RewardFuture) -> List[float]:
+        """``fut.result()``, unless a preemption signal stops the scoring first (``interrupt``):
+        then its responses not yet sent are dropped and ``StepInterrupted`` is raised (the calls
+        in flight finish in their workers, which ``close`` ends)."""
+        while not fut._done.wait(INTERRUPT_POLL_S):
+            if self.interrupt is not None and self.interrupt.requested():
+                with self._lock:
+                    self._pending = collections.deque(p for p in self._pending if p[0] is not fut)
+                self._cut = True  # the calls in flight are abandoned: close() need not wait for them
+                raise StepInterrupted("score")
+        return fut.result()
 
     def score(self, responses: Sequence[str], answers: Sequence[str],
               metadatas: Optional[Sequence[dict]] = None) -> List[float]:
@@ -254,7 +277,7 @@ class RewardPool:
                 pass
         for w in self._workers:
             try:
-                w.proc.wait(2)
+                w.proc.wait(0 if self._cut else 2)
             except subprocess.TimeoutExpired:
                 pass
             w.kill()

@@ -8,7 +8,8 @@ that scored it, and that 0 is what every rank receives: a slow verifier on one r
 make the ranks disagree on rewards, on DAPO dynamic sampling, or on the collectives that
 follow. A reward function that raises on any rank (or anything else that fails while a rank
 scores its share) fails every rank with the same line, after the gather, so no rank is left
-waiting in it.
+waiting in it. A preemption signal that stops a rank's scoring (``step_interrupt.py``) is
+shared the same way: every rank raises ``StepInterrupted`` after the gather.
 
 Not imported by ``megatron_stare.rewards`` (its reward workers stay free of torch).
 """
@@ -21,12 +22,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron_stare.preemption import StepInterrupted
 from megatron_stare.rewards.pool import RewardPool
 from megatron_stare.rewards.registry import RewardError
 
 __all__ = ["SharedScores", "score_once", "shard_of"]
 
 log = logging.getLogger(__name__)
+#: What a rank whose scoring a preemption signal stopped shares in place of an error line.
+INTERRUPTED = "\0interrupted"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,9 @@ def score_once(pool: RewardPool, n: int, item: Callable[[int], Tuple[str, str, d
     try:
         texts, answers, metas = zip(*(item(i) for i in mine)) if len(mine) else ((), (), ())
         fut = pool.submit(list(texts), list(answers), list(metas))
-        local = (list(mine), fut.result(), fut.num_timeouts, fut.num_crashes, fut.extras(), None)
+        local = (list(mine), pool.wait(fut), fut.num_timeouts, fut.num_crashes, fut.extras(), None)
+    except StepInterrupted:  # a preemption signal: shared below, so that every rank stops here
+        local = (list(mine), [], 0, 0, [], INTERRUPTED)
     except RewardError as e:  # shared below, so that every rank raises it
         local = (list(mine), [], 0, 0, [], str(e).splitlines()[0])
     except Exception as e:  # noqa: BLE001 - a failure here must not leave the other ranks waiting
@@ -65,6 +71,8 @@ def score_once(pool: RewardPool, n: int, item: Callable[[int], Tuple[str, str, d
                                            f"{str(e).splitlines()[0] if str(e) else ''}")
     gathered: List = [None] * world
     dist.all_gather_object(gathered, local, group=group)
+    if any(err == INTERRUPTED for *_, err in gathered):
+        raise StepInterrupted("score")
     errors = [(r, err) for r, (*_, err) in enumerate(gathered) if err is not None]
     if errors:
         r, err = errors[0]

@@ -21,6 +21,10 @@ Weight updates take a stream of HF-named tensors (``model.layers.0.self_attn.q_p
 ...), typically the Megatron streaming export; engines reset their prefix / KV caches after
 every update, so no token is ever computed from stale weights.
 
+Preemption inside a step (``step_interrupt.py``): ``generate`` asks ``interrupted()`` between
+decode steps (or while it waits on a server) and, once it is True, ends its requests and raises
+``preemption.StepInterrupted``.
+
 Memory phases (``rollout/phases.py``): ``release_memory()`` (step phase 4), then
 ``resume_weights()`` (6), the weight sync (7), ``resume_kv_cache()`` (8). The base class
 enforces that order (``memory``: AWAKE -> RELEASED -> WEIGHTS -> AWAKE), refuses ``generate``
@@ -244,6 +248,18 @@ class RolloutEngine(ABC):
         if self.memory is EngineMemory.RELEASED:
             raise RuntimeError(f"{self.name} engine: weight update while its memory is RELEASED; "
                                f"call resume_weights() first")
+
+    # ------------------------------------------------------------------ preemption inside a step
+    def set_interrupt(self, check: Callable[[], bool]) -> None:
+        """``check()`` becomes True when a preemption signal asks the running ``generate`` to
+        stop (``step_interrupt.py``): the engine then ends its requests and raises
+        ``preemption.StepInterrupted``, and stays usable (or closable)."""
+        self.__dict__["_interrupt"] = check
+
+    def interrupted(self) -> bool:
+        """Whether ``generate`` must stop now (engines ask between decode steps)."""
+        check = self.__dict__.get("_interrupt")
+        return bool(check is not None and check())
 
     def say_once(self, msg: str) -> None:
         """Log ``msg`` as a warning the first time this engine says it."""

@@ -16,9 +16,10 @@ results in request order, whatever answered them.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, List, Literal, Sequence, TypeVar
+
+from .interruptible import run_requests
 
 __all__ = ["POLICIES", "DispatchStats", "Dispatcher"]
 
@@ -59,9 +60,11 @@ class Dispatcher:
         self.num_backends, self.window, self.policy = num_backends, window, policy
         self.last = DispatchStats()
 
-    def run(self, costs: Sequence[int], call: Callable[[int, int], T]) -> List[T]:
+    def run(self, costs: Sequence[int], call: Callable[[int, int], T], interrupted: Callable[[], bool] = lambda: False,
+            abort: Callable[[], None] = lambda: None) -> List[T]:
         """``[call(backend, j) for j in range(len(costs))]``, run concurrently and placed by the
-        policy; results in request order. The first failing call's error is raised."""
+        policy; results in request order. The first failing call's error is raised. Once
+        ``interrupted()``, ``abort()`` and ``StepInterrupted`` (``rollout/interruptible.py``)."""
         B = self.num_backends
         lock = threading.Lock()
         outstanding, in_flight = [0] * B, [0] * B
@@ -86,7 +89,6 @@ class Dispatcher:
                     in_flight[b] -= 1
 
         # The pool's threads take requests in order, one per free slot: placement happens then.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(costs), self.window))) as pool:
-            out = list(pool.map(one, range(len(costs))))
+        out = run_requests(len(costs), one, max_workers=self.window, interrupted=interrupted, abort=abort)
         self.last = stats
         return out

@@ -17,6 +17,9 @@ Weights: ``update_weights`` copies each HF tensor into the parameter of the same
 embeddings share storage, so either name updates both). There is no cache kept between calls,
 so nothing else needs resetting.
 
+Preemption: ``generate`` checks ``interrupted()`` between decode steps and raises
+``StepInterrupted`` (nothing outlives the call, so the engine stays usable).
+
 Memory: on a GPU ``release_memory`` moves the model to host memory and empties the allocator's
 cache (the KV cache lives only inside a ``generate`` call); ``resume_weights`` moves it back.
 On CPU there is nothing to free: it says so once.
@@ -32,6 +35,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..preemption import StepInterrupted
 from ..weight_sync import TensorChecksum, tensor_checksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
@@ -153,6 +157,8 @@ class HFEngine(RolloutEngine):
                     reasons[r] = "length"
             if all(reason is not None for reason in reasons):
                 break
+            if self.interrupted():  # a preemption signal: the step's start is saved instead
+                raise StepInterrupted("generate")
             out = self.model(input_ids=nxt[:, None], past_key_values=out.past_key_values,
                              use_cache=True)
         return list(zip(toks, lps, reasons))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +34,7 @@ from ..weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_n
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine
 from .sglang_engine import RAW_LOGPROB_ENV, sglang_rows, to_result
 from .http import EngineFailure, request_json
+from .interruptible import run_requests
 from .spec import EngineSpec
 from .vllm_server import ServerCommand
 
@@ -127,8 +127,12 @@ class SGLangServerEngine(RolloutEngine):
                                            "return_logprob": True})
             return to_result(rows[i], out)
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(rows), self.max_concurrency))) as pool:
-            return list(pool.map(one, range(len(rows))))
+        return run_requests(len(rows), one, max_workers=self.max_concurrency, interrupted=self.interrupted,
+                            abort=self.abort_requests)
+
+    def abort_requests(self) -> None:
+        """End every request in flight (a preemption: ``rollout/interruptible.py``)."""
+        self._post("/abort_request", {"rid": "", "abort_all": True})
 
     def _ensure_group(self) -> dist.ProcessGroup:
         if self._group is None:

@@ -16,6 +16,9 @@ Built from the spec (``llm_kwargs``): the policy's dtype, ``rollout.tp``, the me
 not change the sampled distribution), sleep mode on GPU, and, inside the trainer's ranks,
 ``external_launcher`` with a data-parallel size of ``world / tp``.
 
+Preemption inside a step: ``generate`` aborts its requests between engine steps once
+``interrupted()`` (``_abort_on_interrupt``) and raises ``StepInterrupted``.
+
 Memory phases: ``LLM.sleep(level=1)`` (weights to host memory, KV cache discarded), then
 ``wake_up(tags=["weights"])`` and, after the weight sync, ``wake_up(tags=["kv_cache"])``. On
 CPU the same real calls are made - vLLM pauses its scheduler and tracks the sleeping tags -
@@ -32,6 +35,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..preemption import StepInterrupted
 from ..weight_sync import TensorChecksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
@@ -156,8 +160,37 @@ class VLLMEngine(RolloutEngine):
         idx = batch_indices(prompt_token_ids, prompt_indices)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
         sps = [to_vllm_sampling_params(params, i) for i in idx]
-        outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
+        with self._abort_on_interrupt() as aborted:
+            outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
+        if aborted:
+            raise StepInterrupted("generate")
         return [r for i, o in zip(idx, outs) for r in from_vllm_output(i, o)]
+
+    @contextmanager
+    def _abort_on_interrupt(self):
+        """``LLM.generate`` runs the engine loop in this thread (``while has_unfinished_requests():
+        step()``): before each engine step, once ``interrupted()``, abort every request. The loop
+        then ends by itself (under data parallelism the other replicas run dummy steps until all
+        are done, as for any replica out of work), and the engine holds no request: reusable.
+        Yields a list that is non-empty if the requests were aborted."""
+        engine = self.llm.llm_engine
+        real, aborted = engine.step, []
+
+        def step():
+            if not aborted and self.interrupted():
+                engine.abort_request(list(engine.output_processor.request_states), internal=True)
+                aborted.append(True)
+            return real()
+
+        own = engine.__dict__.get("step")  # an instance's own step (a test's counter), else the class's
+        engine.step = step
+        try:
+            yield aborted
+        finally:
+            if own is None:
+                del engine.step
+            else:
+                engine.step = own
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self.check_can_load_weights()

@@ -85,7 +85,8 @@ class VLLMServerFleet(RolloutEngine):
         # Outstanding work of a request, in tokens: its prompt and all it may generate.
         costs = [len(p) + params.n * params.max_new_tokens for p in prompt_token_ids]
         outs = self.dispatcher.run(
-            costs, lambda b, j: self.servers[b].complete(prompt_token_ids[j], params, idx[j]))
+            costs, lambda b, j: self.servers[b].complete(prompt_token_ids[j], params, idx[j]),
+            interrupted=self.interrupted, abort=lambda: [s.abort_requests() for s in self.servers])
         return [r for rs in outs for r in rs]
 
     # ---------------------------------------------------------------- weights

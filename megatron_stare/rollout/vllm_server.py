@@ -54,7 +54,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -66,6 +65,7 @@ from ..console import CONSOLE_ONLY_ENV
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, ErrorReply, request_json
+from .interruptible import run_requests
 from .server_guard import guarded
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
@@ -301,10 +301,15 @@ class VLLMServerEngine(RolloutEngine):
                  prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
         idx = batch_indices(prompt_token_ids, prompt_indices)
-        n = len(prompt_token_ids)
-        with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_concurrency))) as pool:
-            return [r for rs in pool.map(lambda i: self.complete(prompt_token_ids[i], params, idx[i]), range(n))
-                    for r in rs]
+        outs = run_requests(len(prompt_token_ids), lambda i: self.complete(prompt_token_ids[i], params, idx[i]),
+                            max_workers=self.max_concurrency, interrupted=self.interrupted, abort=self.abort_requests)
+        return [r for rs in outs for r in rs]
+
+    def abort_requests(self) -> None:
+        """End every request in flight (a preemption: ``rollout/interruptible.py``); the server
+        goes on serving."""
+        self._request("/pause?mode=abort")
+        self._request("/resume")
 
     # ---------------------------------------------------------------- weights
     def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int) -> None:

@@ -37,3 +37,15 @@ def digit_share_reward(response: str, answer: str, metadata: dict) -> float:
     policy writing only digit tokens reaches, so runs that learn end near the same value."""
     chars = [c for c in response if not c.isspace()]
     return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+SLOW_REWARD_S = 5.0
+"""How long each ``slow_parity_reward`` call takes."""
+
+
+def slow_parity_reward(response: str, answer: str, metadata: dict) -> float:
+    """``parity_reward`` after ``SLOW_REWARD_S`` of sleep: a slow verifier (preemption tests)."""
+    import time
+
+    time.sleep(SLOW_REWARD_S)
+    return parity_reward(response, answer, metadata)

@@ -19,6 +19,19 @@ rank it strikes (default: every rank). Kinds:
   (the test kills the job in that window, deterministically: the write cannot end in it);
 - ``sigterm`` / ``sigusr1``: the rank sends itself the signal mid-step (after the rollout, as
   the update starts); the step goes on, and the run must stop at the step boundary.
+- ``sigterm-in-generate``: the step's generation is made long (``ignore_eos``,
+  ``LONG_NEW_TOKENS`` new tokens, each decode step of the hf engine ``SLOW_DECODE_S`` longer:
+  at least ``LONG_NEW_TOKENS * SLOW_DECODE_S`` seconds), and the rank sends itself SIGTERM
+  ``SIGNAL_AFTER_S`` after the step's generate phase began (on a rank that does not generate:
+  after it went to wait for the one that does); the step must stop at once. The phase is long
+  on every rank; RANK only says who is signalled (as for ``sigterm-in-score``).
+- ``sigterm-in-score``: the step's reward calls (inline, ``reward.num_workers=0``) each take
+  ``SLOW_REWARD_S`` longer, and the rank signals itself ``SIGNAL_AFTER_S`` into its scoring.
+- ``sigterm-in-sync``: the rank signals itself as the step's weight sync starts; the sync and
+  the step finish, and the run stops at the boundary.
+
+Each signal is announced on stderr as ``[fault] rank R sends SIGTERM at <unix time>`` (the tests
+measure the time to exit from it).
 
 ``--linger RANK:SECONDS`` makes that rank wait before its process exits, after ``train.main``
 returned: a slow shutdown (an engine's teardown), so that the other ranks exit first and
@@ -31,9 +44,11 @@ before ``train.main`` runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -41,8 +56,24 @@ from typing import Optional, Tuple
 from unittest import mock
 
 from megatron_stare import train
+from megatron_stare.preemption import leave
 
-KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1", "slow-write")
+KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1",
+         "sigterm-in-generate", "sigterm-in-score", "sigterm-in-sync", "slow-write")
+LONG_NEW_TOKENS, SLOW_DECODE_S = 400, 0.05  # a generation of >= 20 s
+SLOW_REWARD_S = 3.0  # 8 responses per rank: >= 24 s of scoring
+SIGNAL_AFTER_S = 2.0
+
+
+def _signal_self(sig=signal.SIGTERM) -> None:
+    print(f"[fault] rank {os.environ.get('RANK')} sends {sig.name} at {time.time():.3f}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), sig)
+
+
+def _signal_later(delay: float) -> None:
+    timer = threading.Timer(delay, _signal_self)
+    timer.daemon = True
+    timer.start()
 
 
 #: How long a ``slow-write`` writer sleeps before writing its file.
@@ -119,7 +150,8 @@ class FaultyTrainer(train.Trainer):
     @contextmanager
     def _fault(self, step: int, asynchronous: bool):
         kind, at, rank = self.fault
-        if step + 1 != at or rank not in (None, self.rank):
+        here = rank in (None, self.rank)  # the slow phases below are slow on every rank
+        if step + 1 != at or not (here or kind in ("sigterm-in-generate", "sigterm-in-score")):
             yield
             return
         with ExitStack() as stack:
@@ -155,6 +187,32 @@ class FaultyTrainer(train.Trainer):
                     return real(src, dst, *args, **kwargs)
 
                 stack.enter_context(mock.patch("os.replace", replace))
+            elif kind == "sigterm-in-generate":
+                stack.enter_context(self._long_generation(signal_here=here))
+            elif kind == "sigterm-in-score":
+                fn = self.pool.fn
+
+                def slow_reward(*args, **kwargs):
+                    time.sleep(SLOW_REWARD_S)
+                    return fn(*args, **kwargs)
+
+                score = self.score
+
+                def signalled_score(*args, **kwargs):
+                    _signal_later(SIGNAL_AFTER_S)
+                    return score(*args, **kwargs)
+
+                stack.enter_context(mock.patch.object(self.pool, "fn", slow_reward))
+                if here:
+                    stack.enter_context(mock.patch.object(self, "score", signalled_score))
+            elif kind == "sigterm-in-sync":
+                sync = self.sync_weights
+
+                def signalled_sync(*args, **kwargs):
+                    _signal_self()
+                    return sync(*args, **kwargs)
+
+                stack.enter_context(mock.patch.object(self, "sync_weights", signalled_sync))
             else:
                 sig = signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1
                 update = self.actor.update
@@ -164,6 +222,41 @@ class FaultyTrainer(train.Trainer):
                     return update(*args, **kwargs)
 
                 stack.enter_context(mock.patch.object(self.actor, "update", signalled_update))
+            yield
+
+
+    @contextmanager
+    def _long_generation(self, signal_here: bool):
+        """This step's generation: long on purpose (see the module docstring); SIGTERM after
+        ``SIGNAL_AFTER_S``."""
+        with ExitStack() as stack:
+            if self.engine is not None:
+                generate, forward = self.engine.generate, self.engine.model.forward
+                steps = [0]
+
+                def slow_forward(*args, **kwargs):
+                    steps[0] += 1
+                    time.sleep(SLOW_DECODE_S)
+                    return forward(*args, **kwargs)
+
+                def long_generate(prompts, params, **kwargs):
+                    try:
+                        return generate(prompts, dataclasses.replace(params, max_new_tokens=LONG_NEW_TOKENS,
+                                                                     ignore_eos=True), **kwargs)
+                    finally:
+                        print(f"[fault] rank {self.rank}: {steps[0]} forward passes of {LONG_NEW_TOKENS} run",
+                              file=sys.stderr, flush=True)
+
+                stack.enter_context(mock.patch.object(self.engine.model, "forward", slow_forward))
+                stack.enter_context(mock.patch.object(self.engine, "generate", long_generate))
+            trainer_generate = self.generate
+
+            def signalled_generate(*args, **kwargs):
+                _signal_later(SIGNAL_AFTER_S)
+                return trainer_generate(*args, **kwargs)
+
+            if signal_here:
+                stack.enter_context(mock.patch.object(self, "generate", signalled_generate))
             yield
 
 
@@ -183,4 +276,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))  # as python -m megatron_stare.train

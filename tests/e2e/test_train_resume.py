@@ -336,13 +336,64 @@ def test_sigterm_on_one_rank_saves_at_the_boundary_and_resumes_exactly(assets, u
     # Both ranks' rows in torchrun's failure summary (its log line "failed (exitcode: 75)" for
     # whichever rank it saw exit first is not counted: whether it appears is a race).
     assert len(re.findall(r"^\s*exitcode\s*:\s*75\b", out.stderr, re.MULTILINE)) == 2, out.stderr[-3000:]
-    assert f"preempted by SIGTERM after step 3: saved {tmp_path / 'ckpt' / 'step_00000003'}" in out.stdout
+    assert (f"preempted by SIGTERM after step 3: saved {tmp_path / 'ckpt' / 'step_00000003'} (signal during "
+            f"train of step 3: the step finished ") in out.stdout, out.stdout[-2000:]
     assert _steps(tmp_path) == [1, 2, 3] and _complete(tmp_path) == "step_00000003"
     out = _run(assets, tmp_path)
     assert "resumed from" in out.stdout and "step_00000003" in out.stdout
     resumed = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
     full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
     assert _comparable(resumed) == _comparable(full)
+
+
+def _signal_to_exit(out, rank, end):
+    """Seconds from the fault's signal on ``rank`` (its stderr line) to ``end``."""
+    return end - float(re.search(rf"\[fault\] rank {rank} sends SIGTERM at ([\d.]+)", out.stderr).group(1))
+
+
+def test_sigterm_inside_a_step_stops_generation_and_scoring_at_once_and_resumes_exactly(assets, uninterrupted,
+                                                                                       tmp_path):
+    """One run, stopped three times and rerun each time (``_fault_train.py``):
+
+    1. step 2's generation lasts >= 20 s (400 slowed decode steps); rank 1 alone, which does not
+       generate (the hf engine lives on rank 0), gets SIGTERM 2 s in: the signal reaches rank 0
+       through the store, its engine stops between decode steps, step 2's start (= step 1) is
+       saved and both ranks exit 75 within 10 s of the signal;
+    2. step 3's scoring lasts >= 24 s (a 3 s reward call per response); both ranks signalled:
+       the reward call in progress is cut, step_2 saved, exit 75 within 10 s;
+    3. SIGTERM on rank 0 as step 3's weight sync starts: the sync and the step finish, step_3
+       is saved at the boundary;
+    and steps 1-3 logged by the three runs equal the uninterrupted run's."""
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status"
+    chain = ("checkpoint.save_every=100",)  # no periodic saves: each one here is the signal's
+    env = {"MEGATRON_STARE_STATUS_FILE": str(status)}
+    out = _run(assets, tmp_path, *chain, fault="sigterm-in-generate@2:1", expect=None, env=env)
+    took = _signal_to_exit(out, 1, time.time())
+    print(f"generate: signal to exit {took:.1f}s")  # shown with -s
+    assert status.read_text() == "75\n" and took <= 10, (took, out.stdout[-2000:], out.stderr[-3000:])
+    passes = int(re.search(r"rank 0: (\d+) forward passes of 400", out.stderr).group(1))
+    assert passes < 400, out.stderr[-3000:]  # stopped between decode steps, long before the end
+    assert (f"preempted by SIGTERM after step 1: saved {ckpt / 'step_00000001'} (signal during generate of "
+            f"step 2: generate stopped ") in out.stdout, out.stdout[-2000:]
+    assert _steps(tmp_path) == [1] and _complete(tmp_path) == "step_00000001"
+    status.unlink()
+    out = _run(assets, tmp_path, *chain, fault="sigterm-in-score@3", expect=None, env=env)
+    took = _signal_to_exit(out, 0, time.time())
+    print(f"score: signal to exit {took:.1f}s")
+    assert status.read_text() == "75\n" and took <= 10, (took, out.stdout[-2000:], out.stderr[-3000:])
+    assert (f"preempted by SIGTERM after step 2: saved {ckpt / 'step_00000002'} (signal during score of "
+            f"step 3: score stopped ") in out.stdout, out.stdout[-2000:]
+    assert _steps(tmp_path) == [1, 2] and _complete(tmp_path) == "step_00000002"
+    status.unlink()
+    out = _run(assets, tmp_path, *chain, fault="sigterm-in-sync@3:0", expect=None, env=env)
+    assert status.read_text() == "75\n", out.stderr[-3000:]
+    assert (f"preempted by SIGTERM after step 3: saved {ckpt / 'step_00000003'} (signal during sync of step 3: "
+            f"the step finished ") in out.stdout, out.stdout[-2000:]
+    assert _steps(tmp_path) == [1, 2, 3] and _complete(tmp_path) == "step_00000003"
+    # Steps 2 and 3 ran from the starts saved inside steps 2 and 3 (a boundary save's resume:
+    # the other tests here).
+    full = read_metrics(str(uninterrupted / "logs" / "metrics.jsonl"))
+    assert _comparable(read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))) == _comparable(full[:3])
 
 
 def test_sigusr1_through_the_launch_script_reaches_every_rank(assets, uninterrupted, tmp_path):

@@ -195,3 +195,38 @@ def test_multiturn_greedy_matches_hf(setup):
     eng, a, *_ = setup
     eng.update_weights(stream_state_dict(a))  # whatever the earlier tests left: model A
     assert_multiturn_matches_hf(eng, a, atol=LOGPROB_ATOL)
+
+
+def test_a_preemption_aborts_generation_between_engine_steps_and_the_engine_stays_usable(setup):
+    """``LLM.generate`` runs the engine loop in the caller's thread: once ``interrupted()``, the
+    engine aborts its requests before the next engine step and ``generate`` raises
+    ``StepInterrupted`` at step 20 of 120 (one per token); no request is left in the engine, and the
+    next call generates exactly what a call that was never interrupted does."""
+    import time
+
+    from megatron_stare.preemption import StepInterrupted
+
+    eng, a, _, ref_a, *_ = setup
+    eng.update_weights(stream_state_dict(a))
+    long = SamplingParams(n=2, temperature=1.0, max_new_tokens=120, ignore_eos=True, seed=5)
+    steps = []
+    real = eng.llm.llm_engine.step
+
+    def counted():
+        steps.append(time.monotonic())
+        return real()
+
+    eng.llm.llm_engine.step = counted
+    t0 = time.monotonic()
+    eng.set_interrupt(lambda: len(steps) >= 20)  # 20 engine steps in: a signal arrived
+    try:
+        with pytest.raises(StepInterrupted):
+            eng.generate(PROMPTS, long, prompt_indices=list(range(len(PROMPTS))))
+    finally:
+        eng.set_interrupt(lambda: False)
+        del eng.llm.llm_engine.step
+    assert 20 <= len(steps) <= 25, len(steps)  # stopped within a step or so, not at 120
+    assert eng.llm.llm_engine.get_num_unfinished_requests() == 0
+    assert time.monotonic() - t0 < 60
+    res = eng.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in res] == [ref_a[i][0] for i in range(len(PROMPTS))]

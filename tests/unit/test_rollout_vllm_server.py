@@ -156,6 +156,36 @@ def test_multiturn_greedy_matches_hf(server):
     assert_multiturn_matches_hf(eng, a, atol=LOGPROB_ATOL)
 
 
+def test_a_preemption_aborts_the_servers_requests_and_it_serves_on(server):
+    """Once ``interrupted()`` (here: as soon as the server is generating), ``generate`` has the
+    server abort its requests (``/pause?mode=abort``, then ``/resume``) and raises
+    ``StepInterrupted`` within seconds, not after 64 x 8 responses of 100 tokens; nothing is left
+    running, and the server serves the next call exactly."""
+    import time
+
+    from megatron_stare.preemption import StepInterrupted
+
+    eng, a, _, ref_a, *_ = server
+    eng.update_weights(stream_state_dict(a, BUCKET))
+    seen = {}
+
+    def generating() -> bool:
+        if "t" not in seen and _running_requests(eng.base_url) > 0:
+            seen["t"] = time.monotonic()
+        return "t" in seen
+
+    eng.set_interrupt(generating)
+    try:
+        with pytest.raises(StepInterrupted):
+            eng.generate(PROMPTS * 16, SamplingParams(n=8, temperature=1.0, max_new_tokens=100, ignore_eos=True,
+                                                      seed=3))
+    finally:
+        eng.set_interrupt(lambda: False)
+    assert time.monotonic() - seen["t"] < 10
+    assert _running_requests(eng.base_url) == 0
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
+
+
 def test_server_killed_mid_rollout_names_itself(server):
     """Last in this module: it kills the module's server (process group, SIGKILL) while requests
     are running. The rollout fails at once with one line naming the server (pid, URL, exit code,

@@ -292,9 +292,9 @@ def expert_plan(model, groups: ParallelGroups, collects: bool) -> Tuple[int, Exp
     edp = dist.get_rank(groups.edp_group) if lay.edp > 1 else 0
     mine = torch.tensor([groups.pp_rank, edp, groups.ep_rank, groups.etp_rank, int(collects)], dtype=torch.int64,
                         device=groups.device)
-    every = torch.empty(dist.get_world_size(), 5, dtype=torch.int64, device=groups.device)
+    every = torch.empty(dist.get_world_size() * 5, dtype=torch.int64, device=groups.device)
     dist.all_gather_into_tensor(every, mine)
-    rows = every.tolist()
+    rows = every.view(-1, 5).tolist()
     hits = [r for r, row in enumerate(rows) if row[4] and row[0] == groups.pp_rank]
     if len(hits) != 1:
         raise RuntimeError(f"weight export: {len(hits)} ranks of pipeline stage {groups.pp_rank} share the "

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..weight_sync import TensorChecksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
+from . import vllm_cpu
 from .routed_experts import capture_unavailable, moe_layers, to_result_layout
 from .spec import EngineSpec
 
@@ -149,6 +150,8 @@ class VLLMEngine(RolloutEngine):
         if return_routed_experts:
             llm_kw["enable_return_routed_experts"] = True
         owned_dist = not dist.is_initialized()
+        if self.cpu and tensor_parallel_size > 1 and self._external:
+            self._remove_stale_shm()
         self.llm = LLM(
             model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
@@ -158,6 +161,19 @@ class VLLMEngine(RolloutEngine):
             generation_config=generation_config, worker_extension_cls=WORKER_EXTENSION, **llm_kw)
         # vLLM created the default process group only if none existed: then it is ours to end.
         self._owns_dist = owned_dist and not self._external and dist.is_initialized()
+
+    @staticmethod
+    def _remove_stale_shm() -> None:
+        """Leftovers of a killed run would stop the TP group's start (``vllm_cpu.remove_stale_shm``):
+        one rank per node removes them while the others wait."""
+        import torch.distributed as dist
+
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            gone = vllm_cpu.remove_stale_shm()
+            if gone:
+                log.warning("vllm engine: removed %d stale vLLM-CPU shared-memory segment(s) of a killed run: %s",
+                            len(gone), ", ".join(gone))
+        dist.barrier()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> "VLLMEngine":

@@ -32,14 +32,16 @@ import base64
 import io
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megatron_stare.models.moe import layer_pattern
 
-__all__ = ["capture_unavailable", "decode_npy_b64", "moe_layers", "to_result_layout"]
+__all__ = ["MoELayout", "capture_unavailable", "decode_npy_b64", "decode_sglang", "moe_layers", "moe_layout",
+           "to_result_layout"]
 
 
 def capture_unavailable(cuda: bool) -> Optional[str]:
@@ -63,6 +65,33 @@ def moe_layers(model_path: str) -> Sequence[int]:
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     return [i for i, s in enumerate(layer_pattern(cfg)) if s]
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """What an engine needs to read routing: the MoE layers' indices, the layer count, top-k."""
+
+    layers: Tuple[int, ...]
+    num_layers: int
+    topk: int
+
+
+def moe_layout(model_path: str) -> Optional[MoELayout]:
+    """The MoE layout of the HF checkpoint at ``model_path``; None for a dense model."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers = tuple(i for i, s in enumerate(layer_pattern(cfg)) if s)
+    if not layers:
+        return None
+    return MoELayout(layers, int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]))
+
+
+def decode_sglang(s: str, layout: MoELayout) -> np.ndarray:
+    """SGLang's ``meta_info["routed_experts"]`` (``enable_return_routed_experts``): base64 of a
+    little-endian int32 C-order array ``[P + T - 1, num_hidden_layers, topk]`` (the same rows
+    as vLLM's; its tokenizer manager encodes the tensor, also for the in-process ``Engine``)."""
+    flat = np.frombuffer(base64.b64decode(s), dtype="<i4")
+    return flat.reshape(-1, layout.num_layers, layout.topk)
 
 
 def to_result_layout(rows: np.ndarray, layers: Sequence[int]) -> torch.Tensor:

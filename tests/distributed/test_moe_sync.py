@@ -1,7 +1,8 @@
 """The weight-sync piece export of a mixture-of-experts model: every expert travels point-to-point
 from the rank of the collector's expert grid that holds it (no all-gather of the experts), and
 the destination assembles exactly the HF tensors of the whole-tensor export (which all-gathers
-them over EP), at EP2, EP2 x TP2 (the grid spans data-parallel replicas), EP2 x ETP2 and EP2 x PP2."""
+them over EP), at EP2 x TP2 (the grid spans data-parallel replicas), EP2 x ETP2 and EP2 x PP2
+(EP2 alone: ``test_moe_vllm.py``, which also loads the result into vLLM)."""
 
 import pytest
 import torch
@@ -22,18 +23,28 @@ def _perturb(model, seed):
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def _sync_worker(rank, world, models, layout, dst):
-    return {fam: _sync_one(rank, path, layout, dst) for fam, path in models.items()}
+def _sync_worker(rank, world, models, cases):
+    """Every case (families, layout, dst) in this one spawn: Megatron's parallel state is set
+    up again for each layout (the default group stays)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_stare.parallel import ParallelLayout, init_distributed
+
+    out = []
+    for families, layout, dst in cases:
+        ps.destroy_model_parallel()
+        groups = init_distributed(ParallelLayout.from_world(world, **layout))
+        out.append({fam: _sync_one(rank, groups, models[fam], dst) for fam in families})
+    return out
 
 
-def _sync_one(rank, src, layout, dst):
+def _sync_one(rank, groups, src, dst):
     import torch.distributed as dist
 
     from megatron_stare.models.export import ExportStats, iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
     from megatron_stare.weight_sync import assemble
 
-    groups = _groups(layout)
     model, spec, _ = build_from_hf(src, groups, make_vocab_size_divisible_by=8)
     _perturb(model, 1000 + rank)
     whole = {n: t.clone() for b in iter_hf_buckets(model, groups, spec, BUCKET, dst="all") for n, t in b}
@@ -53,18 +64,6 @@ def _sync_one(rank, src, layout, dst):
         dist.all_gather = real
     return {"whole": whole if rank == dst else None, "pieces": pieces, "gathers": len(gathers),
             "max_bucket": stats.max_bucket_bytes}
-
-
-_GROUPS = {}
-
-
-def _groups(layout):
-    from megatron_stare.parallel import ParallelLayout, init_distributed
-    import torch.distributed as dist
-
-    if "g" not in _GROUPS:
-        _GROUPS["g"] = init_distributed(ParallelLayout.from_world(dist.get_world_size(), **layout))
-    return _GROUPS["g"]
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +91,17 @@ def _check(results, dst):
     assert results[dst]["max_bucket"] <= BUCKET
 
 
-# One spawn per layout; the 4-rank layouts take one family each (CI time).
-@pytest.mark.parametrize("families,world,layout,dst", [
-    (("qwen3_moe", "qwen2_moe"), 2, dict(ep=2), 1),
-    (("qwen3_moe",), 4, dict(tp=2, ep=2, sequence_parallel=True), 0),  # the grid spans DP replicas
-    (("qwen2_moe",), 4, dict(ep=2, etp=2), 0),
-    (("qwen3_moe",), 4, dict(pp=2, ep=2), 3),  # dst on the last stage: stage 0 hands its buckets over
-], ids=["ep2", "ep2_tp2", "ep2_etp2", "ep2_pp2"])
-def test_piece_export_of_experts_equals_whole_tensor_export(models, families, world, layout, dst):
-    results = run_on_ranks(_sync_worker, world, {f: models[f] for f in families}, layout, dst)
-    for fam in families:
-        _check([r[fam] for r in results], dst)
+# One 4-rank spawn, one family per layout (CI time). EP2 on 2 ranks, dst 0, is test_moe_vllm.py's.
+CASES = {
+    4: [(("qwen3_moe",), dict(tp=2, ep=2, sequence_parallel=True), 0),  # the grid spans DP replicas
+        (("qwen2_moe",), dict(ep=2, etp=2), 0),
+        (("qwen3_moe",), dict(pp=2, ep=2), 3)],  # dst on the last stage: stage 0 hands its buckets over
+}
+
+
+@pytest.mark.parametrize("world", [4], ids=["ep2_tp2_etp2_pp2"])
+def test_piece_export_of_experts_equals_whole_tensor_export(models, world):
+    results = run_on_ranks(_sync_worker, world, models, CASES[world])
+    for k, (families, _, dst) in enumerate(CASES[world]):
+        for fam in families:
+            _check([r[k][fam] for r in results], dst)

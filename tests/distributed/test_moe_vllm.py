@@ -3,7 +3,8 @@ tiny Qwen3-MoE (head_dim 32, which vLLM-CPU's attention needs) at EP2 on 2 ranks
 
 - exported to disk (whole tensors, the per-expert layout): vLLM's greedy tokens = transformers';
 - its weights perturbed on both ranks, then synced by the piece export (each expert sent by the
-  rank that holds it, ``iter_hf_buckets(pieces=True)``) into the running engine: its greedy
+  rank that holds it, ``iter_hf_buckets(pieces=True)``, no all-gather; bit-equal to the
+  whole-tensor export) into the running engine: its greedy
   tokens equal transformers' on the perturbed checkpoint (written by the whole-tensor export)
   and its log-probs are within 1e-4 of transformers'.
 
@@ -25,6 +26,8 @@ MAX_NEW = 6
 
 
 def _export_and_sync(rank, world, src, dst, perturbed):
+    import torch.distributed as dist
+
     from megatron_stare.models.export import iter_hf_buckets
     from megatron_stare.models.hf_export import write_hf_checkpoint
     from megatron_stare.models.provider import build_from_hf
@@ -41,7 +44,13 @@ def _export_and_sync(rank, world, src, dst, perturbed):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     write_hf_checkpoint(model, groups, spec, perturbed, hf_config=hf_config, side_files_dir=src)
-    got = {n: t.clone() for n, t in assemble(iter_hf_buckets(model, groups, spec, 32 << 10, dst=0, pieces=True))}
+    real, gathers = dist.all_gather, []
+    dist.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)  # experts must not be all-gathered
+    try:
+        got = {n: t.clone() for n, t in assemble(iter_hf_buckets(model, groups, spec, 32 << 10, dst=0, pieces=True))}
+    finally:
+        dist.all_gather = real
+    assert not gathers and (rank == 0 or not got)
     buf = io.BytesIO()
     torch.save(got, buf)
     return buf.getvalue() if rank == 0 else None

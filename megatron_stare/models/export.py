@@ -21,7 +21,9 @@ The weight sync to an engine behind a process group uses ``pieces=True`` instead
 (``export_pieces``): with one ``dst``, each TP rank's rows of every HF tensor go point-to-point
 straight into the collector's bucket buffer, tensors are cut at bucket boundaries, and the
 destination holds two buckets of at most ``bucket_bytes`` and nothing else (no gather buffer,
-no HF copies); receivers join the pieces (``weight_sync.Assembler``). Whole tensors remain the
+no HF copies); receivers join the pieces (``weight_sync.Assembler``). A mixture-of-experts
+model's experts come point-to-point from the ranks that hold them (``expert_plan``), while
+``dst="all"`` all-gathers each expert over EP (every colocated engine holds every expert). Whole tensors remain the
 default for checkpoint writers and colocated engines (``dst="all"``).
 
 Destinations (``dst``):

@@ -14,6 +14,11 @@ of its own size. Here nothing is materialised outside the bucket:
   split (QKV, gate/up per rank, embedding, LM head) is cut where the owner changes, a dim-1 split
   (``o_proj``, ``down_proj``) travels as one column block per rank, a replicated tensor (norms,
   everything at TP=1) is taken from the collector's own copy.
+- **Experts** (a mixture-of-experts model, ``ExpertPlan``): each rank of an expert-parallel
+  group holds whole experts (split over expert-tensor parallel, like TP). The collector needs
+  every expert of its stage; each one travels as pieces from the rank of the collector's expert
+  grid that holds it (which may sit in another data-parallel replica), point-to-point like the
+  TP pieces: no all-gather of the experts, no rank but the collector ever holds another's.
 - **The buckets** (``piece_buckets``): pieces are written straight into a bucket buffer from a
   two-slot ``StagingBuffer``: the collector's own pieces by one ``copy_`` (which also casts), the
   other TP ranks' pieces by point-to-point receives into the buffer, all of a bucket's posted

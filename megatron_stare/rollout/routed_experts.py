@@ -61,10 +61,12 @@ def capture_unavailable(cuda: bool) -> Optional[str]:
 
 
 def moe_layers(model_path: str) -> Sequence[int]:
-    """Indices of the sparse (MoE) layers of the HF checkpoint at ``model_path``."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return [i for i, s in enumerate(layer_pattern(cfg)) if s]
+    """Indices of the sparse (MoE) layers of the HF checkpoint at ``model_path``; ValueError for a
+    dense model (there is no routing to return)."""
+    layout = moe_layout(model_path)
+    if layout is None:
+        raise ValueError(f"return_routed_experts: {model_path} is not a mixture-of-experts model")
+    return list(layout.layers)
 
 
 @dataclass(frozen=True)

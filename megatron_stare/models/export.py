@@ -21,7 +21,9 @@ The weight sync to an engine behind a process group uses ``pieces=True`` instead
 (``export_pieces``): with one ``dst``, each TP rank's rows of every HF tensor go point-to-point
 straight into the collector's bucket buffer, tensors are cut at bucket boundaries, and the
 destination holds two buckets of at most ``bucket_bytes`` and nothing else (no gather buffer,
-no HF copies); receivers join the pieces (``weight_sync.Assembler``). Whole tensors remain the
+no HF copies); receivers join the pieces (``weight_sync.Assembler``). A mixture-of-experts
+model's experts come point-to-point from the ranks that hold them (``expert_plan``), while
+``dst="all"`` all-gathers each expert over EP (every colocated engine holds every expert). Whole tensors remain the
 default for checkpoint writers and colocated engines (``dst="all"``).
 
 Destinations (``dst``):
@@ -52,7 +54,7 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron_stare.models.export_pieces import find_collector, piece_buckets, stage_pieces
+from megatron_stare.models.export_pieces import ExpertPlan, find_collector, piece_buckets, stage_pieces
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import (ExpertGroups, full_shape, gather_canonical, is_expert_param, local_params,
@@ -196,9 +198,6 @@ def iter_hf_buckets(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: 
     if pieces and dst == "all":
         raise ValueError("iter_hf_buckets(pieces=True) streams to one rank: pass dst=<global rank> "
                          "(dst='all' exports whole tensors)")
-    if pieces and spec.moe is not None:
-        raise ValueError("iter_hf_buckets(pieces=True) does not export mixture-of-experts models yet; "
-                         "use pieces=False (whole tensors)")
     stats = stats if stats is not None else ExportStats()
     pp, me, dev = groups.layout.pp, dist.get_rank(), groups.device
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [me]
@@ -263,18 +262,47 @@ def _piece_export(model, groups: ParallelGroups, spec: GPTSpec, bucket_bytes: in
                   dtype: Optional[torch.dtype], stats: ExportStats, pp_ranks) -> Iterator[FlatBucket]:
     """``iter_hf_buckets(pieces=True)``: each stage's collector (the member of ``dst``'s pipeline
     group) builds its stage's buckets from pieces; other stages' collectors send theirs to
-    ``dst``, which takes them into the same two staging slots as its own."""
-    if dst not in group_ranks(groups.mp_group):
-        return  # another data-parallel replica streams to dst
+    ``dst``, which takes them into the same two staging slots as its own. A MoE model's experts
+    come from the collector's expert grid (``expert_plan``), which may span data-parallel replicas."""
     me, dev, tp = dist.get_rank(), groups.device, groups.layout.tp
     tp_ranks = group_ranks(groups.tp_group) if tp > 1 else [me]
-    collector = find_collector(groups.tp_group, tp, dst in pp_ranks, dev)
+    if spec.moe is None:
+        if dst not in group_ranks(groups.mp_group):
+            return  # another data-parallel replica streams to dst
+        collector = tp_ranks[find_collector(groups.tp_group, tp, dst in pp_ranks, dev)]
+        experts = None
+    else:
+        collector, experts = expert_plan(model, groups, dst in pp_ranks)
+        if collector not in tp_ranks and not experts.grid:
+            return  # neither in the collector's TP group nor in its expert grid
     staging = StagingBuffer(dev, slots=2)  # own buckets and, on dst, the other stages' buckets
-    plan = stage_pieces(model, mapping_for(spec), tp, groups.tp_rank)
-    local = piece_buckets(plan, bucket_bytes, dtype=dtype, tp_ranks=tp_ranks, tp_rank=groups.tp_rank,
-                          collector=collector, staging=staging, stats=stats)
-    if groups.tp_rank != collector:
+    plan = stage_pieces(model, mapping_for(spec), tp, groups.tp_rank, me=me,
+                        tp_ranks=tp_ranks if collector in tp_ranks else None, experts=experts)
+    local = piece_buckets(plan, bucket_bytes, dtype=dtype, me=me, collector=collector, staging=staging, stats=stats)
+    if me != collector:
         for _ in local:  # send this rank's pieces to the collector
             pass
         return
     yield from _to_dst(local, dst, groups, pp_ranks, staging, stats)
+
+
+def expert_plan(model, groups: ParallelGroups, collects: bool) -> Tuple[int, ExpertPlan]:
+    """(this stage's collector, where its experts are) from one all-gather over the world of
+    each rank's ``(pp rank, expert-data-parallel rank, ep rank, etp rank, collects)``: the
+    collector's grid is the ranks of its stage with its expert-data-parallel rank."""
+    lay = groups.layout
+    edp = dist.get_rank(groups.edp_group) if lay.edp > 1 else 0
+    mine = torch.tensor([groups.pp_rank, edp, groups.ep_rank, groups.etp_rank, int(collects)], dtype=torch.int64,
+                        device=groups.device)
+    every = torch.empty(dist.get_world_size() * 5, dtype=torch.int64, device=groups.device)
+    dist.all_gather_into_tensor(every, mine)
+    rows = every.view(-1, 5).tolist()
+    hits = [r for r, row in enumerate(rows) if row[4] and row[0] == groups.pp_rank]
+    if len(hits) != 1:
+        raise RuntimeError(f"weight export: {len(hits)} ranks of pipeline stage {groups.pp_rank} share the "
+                           f"destination's pipeline group (expected exactly 1)")
+    c = hits[0]
+    grid = {}
+    if edp == rows[c][1]:
+        grid = {(row[2], row[3]): r for r, row in enumerate(rows) if row[0] == groups.pp_rank and row[1] == edp}
+    return c, ExpertPlan(lay.ep, lay.etp, groups.ep_rank, groups.etp_rank, num_local_experts(model), grid)

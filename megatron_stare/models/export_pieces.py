@@ -14,6 +14,11 @@ of its own size. Here nothing is materialised outside the bucket:
   split (QKV, gate/up per rank, embedding, LM head) is cut where the owner changes, a dim-1 split
   (``o_proj``, ``down_proj``) travels as one column block per rank, a replicated tensor (norms,
   everything at TP=1) is taken from the collector's own copy.
+- **Experts** (a mixture-of-experts model, ``ExpertPlan``): each rank of an expert-parallel
+  group holds whole experts (split over expert-tensor parallel, like TP). The collector needs
+  every expert of its stage; each one travels as pieces from the rank of the collector's expert
+  grid that holds it (which may sit in another data-parallel replica), point-to-point like the
+  TP pieces: no all-gather of the experts, no rank but the collector ever holds another's.
 - **The buckets** (``piece_buckets``): pieces are written straight into a bucket buffer from a
   two-slot ``StagingBuffer``: the collector's own pieces by one ``copy_`` (which also casts), the
   other TP ranks' pieces by point-to-point receives into the buffer, all of a bucket's posted
@@ -32,24 +37,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_stare.models.sharding import full_shape, is_glu_fc1, local_params
+from megatron_stare.models.sharding import (expert_index, full_shape, is_expert_param, is_glu_fc1, local_params,
+                                            renumber_expert)
 from megatron_stare.weight_sync import FlatBucket, Pending, StagingBuffer, TensorMeta, dtype_name
 from megatron_stare.weight_sync.bucket import aligned
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows of one HF tensor that one TP rank holds contiguously.
+    """Rows of one HF tensor that one rank holds contiguously.
 
     The piece is ``hf[start[0]:start[0]+shape[0], start[1]:start[1]+shape[1], ...]`` of the HF
     tensor ``name`` of shape ``full``; its bytes are ``src`` (this rank's rows of the local
-    parameter) on the owner, ``None`` elsewhere. ``owner`` is the TP rank that holds them, or
-    ``None`` when every TP rank holds the same rows (a replicated parameter).
+    parameter) on the owner, ``None`` elsewhere. ``owner`` is the GLOBAL rank that holds them
+    (a TP rank of the collector's stage; for an expert's rows, the rank of the collector's expert
+    grid that holds that expert: ``ExpertPlan``), ``-1`` when this rank does not know (it takes no
+    part in that tensor), or ``None`` when every TP rank holds the same rows (a replicated parameter).
     """
 
     name: str
@@ -63,6 +71,22 @@ class Piece:
     @property
     def whole(self) -> bool:
         return self.shape == self.full
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where the experts of the collector's stage live: ``grid[(ep_rank, etp_rank)]`` is the
+    global rank of the collector's expert grid (megatron's etp x ep block of its pipeline stage
+    and expert-data-parallel index) that holds expert shard ``etp_rank`` of the experts
+    ``ep_rank * num_local .. + num_local - 1``; ``ep_rank`` / ``etp_rank``: this rank's."""
+
+    ep: int
+    etp: int
+    ep_rank: int
+    etp_rank: int
+    num_local: int
+    grid: Dict[Tuple[int, int], int]
+    """Empty on a rank outside the collector's grid (a TP peer of the collector: it sends none)."""
 
 
 def _dim0_runs(row: int, n: int, local_rows: int, tp: int, glu: bool) -> Iterator[Tuple[int, int, int, int]]:
@@ -86,34 +110,71 @@ def _dim0_runs(row: int, n: int, local_rows: int, tp: int, glu: bool) -> Iterato
         done += m
 
 
-def stage_pieces(model, mapping, tp: int, tp_rank: int, glu: bool = True) -> List[Piece]:
+def _param_pieces(out: List[Piece], mapping, canon: str, local: str, p, w, full, tp: int, owners, me: int,
+                  glu: bool) -> None:
+    """Append the pieces of one local parameter ``p`` (canonical ``canon`` of shape ``full``)
+    split over ``tp`` shards; ``owners[r]``: the global rank holding shard ``r``, or None for a
+    replicated parameter (unsplit at ``tp == 1`` when ``owners`` is None)."""
+    split = tp > 1 and getattr(p, "tensor_model_parallel", False)
+    dim = p.partition_dim if split else None
+    for hf in mapping.hf_rows(canon, full):
+        zeros = (0,) * (len(hf.shape) - 1)
+        for hf_row, c_row, n in hf.runs:
+            if dim is None:
+                owner = None if owners is None else owners[0]
+                out.append(Piece(hf.name, hf.shape, (hf_row,) + zeros, (n,) + tuple(hf.shape[1:]), p.dtype,
+                                 owner, w[c_row:c_row + n] if owner is None or owner == me else None))
+            elif dim == 1:
+                cols = p.shape[1]
+                for r in range(tp):
+                    out.append(Piece(hf.name, hf.shape, (hf_row, r * cols) + zeros[1:],
+                                     (n, cols) + tuple(hf.shape[2:]), p.dtype, owners[r],
+                                     w[c_row:c_row + n] if owners[r] == me else None))
+            elif dim == 0:
+                for off, r, lrow, m in _dim0_runs(c_row, n, p.shape[0], tp, glu and is_glu_fc1(local)):
+                    out.append(Piece(hf.name, hf.shape, (hf_row + off,) + zeros, (m,) + tuple(hf.shape[1:]),
+                                     p.dtype, owners[r], w[lrow:lrow + m] if owners[r] == me else None))
+            else:
+                raise ValueError(f"{canon}: tensor-parallel split along dim {dim} is not supported by the "
+                                 f"piece export")
+
+
+def stage_pieces(model, mapping, tp: int, tp_rank: int, glu: bool = True, *,
+                 tp_ranks: Optional[List[int]] = None, me: Optional[int] = None,
+                 experts: Optional[ExpertPlan] = None) -> List[Piece]:
     """This stage's HF tensors as pieces (see the module docstring), in export order: parameter
-    by parameter, HF tensor by HF tensor, rows in order. Every TP rank gets the same list (with
-    ``src`` only on the owner)."""
+    by parameter, HF tensor by HF tensor, rows in order. Every rank that takes part gets the
+    same list (with ``src`` only on the owner).
+
+    ``tp_ranks``: the global ranks of the collector's TP group in TP-rank order (default
+    ``range(tp)``); None with ``me`` set: this rank is outside it (an expert grid member of
+    another data-parallel replica), so the dense pieces are none of its business (owner -1).
+    ``me``: this rank's global rank (default ``tp_ranks[tp_rank]``). ``experts`` (a MoE model):
+    each local expert tensor becomes the pieces of that expert on EVERY expert-parallel rank of
+    the collector's grid (``ExpertPlan``), owned by the rank that holds it: whole experts go
+    point-to-point from their owner, never gathered on every rank.
+    """
+    if tp_ranks is None and me is None:
+        tp_ranks = list(range(tp))
+    me = tp_ranks[tp_rank] if me is None else me
+    dense_owners = list(tp_ranks) if tp_ranks is not None else [-1] * tp
     out: List[Piece] = []
     for local, canon, p in local_params(model):
         w = p.detach()
-        split = tp > 1 and getattr(p, "tensor_model_parallel", False)
-        dim = p.partition_dim if split else None
-        for hf in mapping.hf_rows(canon, full_shape(p, tp)):
-            zeros = (0,) * (len(hf.shape) - 1)
-            for hf_row, c_row, n in hf.runs:
-                if dim is None:
-                    out.append(Piece(hf.name, hf.shape, (hf_row,) + zeros, (n,) + tuple(hf.shape[1:]), p.dtype,
-                                     None, w[c_row:c_row + n]))
-                elif dim == 1:
-                    cols = p.shape[1]
-                    for r in range(tp):
-                        out.append(Piece(hf.name, hf.shape, (hf_row, r * cols) + zeros[1:],
-                                         (n, cols) + tuple(hf.shape[2:]), p.dtype, r,
-                                         w[c_row:c_row + n] if r == tp_rank else None))
-                elif dim == 0:
-                    for off, owner, lrow, m in _dim0_runs(c_row, n, p.shape[0], tp, glu and is_glu_fc1(local)):
-                        out.append(Piece(hf.name, hf.shape, (hf_row + off,) + zeros, (m,) + tuple(hf.shape[1:]),
-                                         p.dtype, owner, w[lrow:lrow + m] if owner == tp_rank else None))
-                else:
-                    raise ValueError(f"{canon}: tensor-parallel split along dim {dim} is not supported by the "
-                                     f"piece export")
+        if experts is not None and is_expert_param(p):
+            x = experts
+            j = expert_index(canon) - x.ep_rank * x.num_local
+            split = x.etp > 1 and getattr(p, "tensor_model_parallel", False)
+            for r in range(x.ep):
+                # An unsplit expert tensor (etp 1, or replicated over etp) comes from etp rank 0 on every rank's plan.
+                owners = [x.grid.get((r, k), -1) for k in (range(x.etp) if split else [0])]
+                # Only this rank's own experts have bytes here; the same rows of the others' are theirs.
+                _param_pieces(out, mapping, renumber_expert(canon, r * x.num_local + j), local, p,
+                              w if r == x.ep_rank else None, full_shape(p, tp, x.etp), x.etp if split else 1,
+                              owners, me if r == x.ep_rank else -2, glu)
+            continue
+        owners = dense_owners if tp > 1 and getattr(p, "tensor_model_parallel", False) else None
+        _param_pieces(out, mapping, canon, local, p, w, full_shape(p, tp), tp, owners, me, glu)
     return out
 
 
@@ -158,19 +219,17 @@ def _cuts(pieces: List[Piece], bucket_bytes: int, dtype: Optional[torch.dtype]
 
 
 def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[torch.dtype],
-                  tp_ranks: List[int], tp_rank: int, collector: int, staging: StagingBuffer,
-                  stats=None) -> Iterator[FlatBucket]:
-    """On TP rank ``collector``: yield this stage's buckets (``FlatBucket``s of at most
-    ``bucket_bytes``, pieces written in place). On the other TP ranks: send the pieces they own
-    to the collector, bucket by bucket; yields nothing. Every TP rank of the stage must iterate
-    to the end (point-to-point transfers inside). ``tp_ranks``: the TP group's global ranks in
-    TP-rank order. ``stats``: an ``export.ExportStats`` (the wait for other ranks' pieces counts
-    as gather, local copies as pack).
+                  me: int, collector: int, staging: StagingBuffer, stats=None) -> Iterator[FlatBucket]:
+    """On global rank ``collector``: yield this stage's buckets (``FlatBucket``s of at most
+    ``bucket_bytes``, pieces written in place). On the other ranks: send the pieces they own
+    (``Piece.owner == me``) to the collector, bucket by bucket; yields nothing. Every owner of a
+    piece must iterate to the end (point-to-point transfers inside). ``stats``: an
+    ``export.ExportStats`` (the wait for other ranks' pieces counts as gather, local copies as pack).
 
     Per bucket, the collector posts a receive for every remote piece first, copies its own
     pieces while they arrive, then waits: the transfers overlap each other and the copies.
     """
-    me_collects = tp_rank == collector
+    me_collects = me == collector
     for cap, used, cuts in _cuts(pieces, bucket_bytes, dtype):
         flat = staging.get(cap) if me_collects else None
         views = [flat[c.offset:c.offset + c.nbytes].view(c.dtype).view((c.n,) + c.piece.shape[1:])
@@ -181,10 +240,10 @@ def piece_buckets(pieces: List[Piece], bucket_bytes: int, *, dtype: Optional[tor
             if owner is None or owner == collector:
                 continue
             if me_collects:
-                pending.append(Pending(dest, lambda x, src=tp_ranks[owner]: dist.irecv(x, src=src)))
-            elif tp_rank == owner:
+                pending.append(Pending(dest, lambda x, src=owner: dist.irecv(x, src=src)))
+            elif me == owner:
                 rows = c.piece.src[c.r0:c.r0 + c.n].to(c.dtype).contiguous()
-                pending.append(Pending(rows, lambda x: dist.isend(x, dst=tp_ranks[collector])))
+                pending.append(Pending(rows, lambda x: dist.isend(x, dst=collector)))
                 del rows
         t0 = time.perf_counter()
         if me_collects:

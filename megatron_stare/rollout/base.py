@@ -116,10 +116,14 @@ class GenerationResult:
     ``versions``: ``[T]`` the policy version that produced each token, set by partial rollouts
     (``rollout/partial.py``), whose responses can span a weight update; None when one version
     produced the whole response.
-    ``routed_experts``: ``[n, num_moe_layers, topk]`` int16, the experts the engine's router chose
-    for the last ``n`` tokens the engine ran (``n = P + T - 1`` with the prompt's prefill, ``T``
-    for the response only; the last sampled token is never run), for routing replay (MoE models,
-    ``rollout.routing_replay=r3``); None when the engine does not return it.
+    ``routed_experts``: ``[P + T - 1, num_moe_layers, topk]`` int16, the experts the engine's
+    router chose (top-k order as vLLM returns them) at every position it ran: the ``P`` prompt
+    positions (prefill; also for a prefix served from vLLM's prefix cache) and response positions
+    ``0..T-2`` (the last sampled token is never run), MoE layers only, in model order (vLLM's
+    rows of dense layers are dropped: ``rollout/routed_experts.py``). Row ``i`` routes the token
+    at position ``i`` of ``prompt + token_ids``. For routing replay (MoE models,
+    ``rollout.routing_replay=r3``); None when the engine was not asked for it
+    (``return_routed_experts``) or cannot return it (hf, SGLang, vLLM on CPU).
     """
 
     prompt_index: int

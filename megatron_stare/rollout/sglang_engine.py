@@ -10,7 +10,9 @@ Built from the spec (``engine_kwargs``, SGLang 0.5.23's names): ``model_path``, 
 ``dtype`` (the policy's), ``context_length`` (not vLLM's ``max_model_len``),
 ``mem_fraction_static`` (``rollout.gpu_memory_utilization``), ``base_gpu_id`` (the group's
 first GPU on its node), ``random_seed``, ``skip_tokenizer_init`` (we send token ids) and
-``enable_memory_saver`` (needed by ``release_memory_occupation``).
+``enable_memory_saver`` (needed by ``release_memory_occupation``); for a mixture-of-experts
+policy ``ep_size`` = ``tp_size`` and, for routing replay, ``enable_return_routed_experts``
+(``moe_kwargs``; results then carry ``meta_info["routed_experts"]``: ``to_result``).
 
 API used (SGLang 0.5.23):
 - ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`` -> per row
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +47,7 @@ from ..weight_sync import iter_buckets
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
 from .phases import EngineMemory
+from .routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
 from .spec import EngineSpec
 
 __all__ = ["RAW_LOGPROB_ENV", "SGLangEngine", "engine_kwargs", "sglang_engine_class", "sglang_rows",
@@ -58,11 +62,29 @@ RESUME_KV_TAGS = ["kv_cache", "cuda_graph"]
 
 
 def engine_kwargs(spec: EngineSpec) -> dict:
-    """The spec in ``sglang.Engine``'s arguments (its ``ServerArgs`` fields)."""
+    """The spec in ``sglang.Engine``'s arguments (its ``ServerArgs`` fields), plus ``moe_kwargs``."""
     return {"model_path": spec.model_path, "tp_size": spec.tp, "dtype": spec.dtype,
             "context_length": spec.context_length, "mem_fraction_static": spec.gpu_memory_utilization,
             "base_gpu_id": spec.devices.base_gpu_id, "random_seed": spec.seed, "skip_tokenizer_init": True,
-            "enable_memory_saver": spec.devices.shares_trainer_gpus}
+            "enable_memory_saver": spec.devices.shares_trainer_gpus, **moe_kwargs(spec)}
+
+
+def moe_kwargs(spec: EngineSpec) -> dict:
+    """A mixture-of-experts policy: SGLang's expert parallel over the engine's TP group
+    (``ep_size = tp_size``: each GPU holds whole experts, 1/tp of them, instead of a 1/tp slice
+    of every expert), and ``enable_return_routed_experts`` when the spec asks for the routing
+    (``return_routed_experts``: routing replay). Nothing for a dense model."""
+    local = Path(spec.model_path) / "config.json"
+    if not local.is_file():  # a server command printed for another node: its flags are the user's
+        return {}
+    if moe_layout(spec.model_path) is None:
+        if spec.return_routed_experts:
+            raise ValueError(f"return_routed_experts: {spec.model_path} is not a mixture-of-experts model")
+        return {}
+    kw = {"ep_size": spec.tp}
+    if spec.return_routed_experts:
+        kw["enable_return_routed_experts"] = True
+    return kw
 
 
 def check_logprob_env(env=os.environ) -> None:
@@ -102,15 +124,20 @@ def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParam
     return rows, [list(prompt_token_ids[local[p]]) for p, _ in rows], sp
 
 
-def to_result(row: Tuple[int, int], out: dict) -> GenerationResult:
-    """One SGLang output row -> our result."""
+def to_result(row: Tuple[int, int], out: dict, moe: Optional[MoELayout] = None) -> GenerationResult:
+    """One SGLang output row -> our result; ``moe``: read its routed experts too."""
     meta = out["meta_info"]
     reason = meta["finish_reason"]["type"]
     if reason == "abort":
         raise RuntimeError(f"SGLang aborted a request: {meta['finish_reason']}")
     toks = list(out["output_ids"])
     lps = torch.tensor([float(lp) for lp, _tid, *_ in meta["output_token_logprobs"]], dtype=torch.float32)
-    return GenerationResult(row[0], row[1], toks, lps, reason)
+    routed = None
+    if moe is not None:
+        if meta.get("routed_experts") is None:
+            raise RuntimeError("SGLang returned no routed experts (start it with enable_return_routed_experts)")
+        routed = to_result_layout(decode_sglang(meta["routed_experts"], moe), moe.layers)
+    return GenerationResult(row[0], row[1], toks, lps, reason, routed_experts=routed)
 
 
 @register_engine("sglang")
@@ -126,6 +153,8 @@ class SGLangEngine(RolloutEngine):
     """
 
     def __init__(self, model_path: str, *, bucket_bytes: int = 512 << 20, engine=None, **kwargs):
+        # Routing replay: every result carries SGLang's routed experts (GenerationResult.routed_experts).
+        self._moe = moe_layout(str(model_path)) if kwargs.get("enable_return_routed_experts") else None
         if engine is None:
             check_logprob_env()
             kwargs.setdefault("enable_memory_saver", True)
@@ -143,8 +172,9 @@ class SGLangEngine(RolloutEngine):
                  prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
         self.check_can_generate()
         rows, input_ids, sp = sglang_rows(prompt_token_ids, params, prompt_indices)
-        outs = self.engine.generate(input_ids=input_ids, sampling_params=sp, return_logprob=True)
-        return [to_result(r, o) for r, o in zip(rows, outs)]
+        extra = {"return_routed_experts": True} if self._moe is not None else {}
+        outs = self.engine.generate(input_ids=input_ids, sampling_params=sp, return_logprob=True, **extra)
+        return [to_result(r, o, self._moe) for r, o in zip(rows, outs)]
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self.check_can_load_weights()

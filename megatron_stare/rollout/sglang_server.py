@@ -32,7 +32,8 @@ from torch import Tensor
 from ..weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
                            route_address, send_each)
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine
-from .sglang_engine import RAW_LOGPROB_ENV, sglang_rows, to_result
+from .routed_experts import moe_layout
+from .sglang_engine import RAW_LOGPROB_ENV, moe_kwargs, sglang_rows, to_result
 from .http import EngineFailure, request_json
 from .interruptible import run_requests
 from .spec import EngineSpec
@@ -50,6 +51,11 @@ def server_command(spec: EngineSpec, host: str = "0.0.0.0", port: int = 30000) -
             "--context-length", str(spec.context_length),
             "--mem-fraction-static", str(spec.gpu_memory_utilization),
             "--random-seed", str(spec.seed), "--skip-tokenizer-init"]
+    moe = moe_kwargs(spec)  # a mixture-of-experts policy: expert parallel, routing when asked
+    if "ep_size" in moe:
+        argv += ["--ep-size", str(moe["ep_size"])]
+    if moe.get("enable_return_routed_experts"):
+        argv.append("--enable-return-routed-experts")
     return ServerCommand(tuple(argv), {RAW_LOGPROB_ENV: "false"})
 
 
@@ -65,12 +71,20 @@ class SGLangServerEngine(RolloutEngine):
         group_host: address of this trainer process reachable from the server (default: the
             address this machine routes to the server from).
         weight_backend: ``"nccl"`` on GPUs (``"gloo"`` for CPU tests of the protocol).
+        return_routed_experts / model_path: results carry the server's routed experts (the
+            server runs with ``--enable-return-routed-experts``, which ``server_command`` adds
+            when the spec asks); ``model_path``: the checkpoint whose MoE layers they cover.
     """
 
     def __init__(self, *, base_url: str, engine_world_size: int = 1, expect: Optional[dict] = None,
                  group_host: Optional[str] = None, group_name: str = "stare_weights",
                  weight_backend: Optional[str] = None, bucket_bytes: int = 512 << 20,
-                 request_timeout_s: float = 600.0, max_concurrency: int = 64):
+                 request_timeout_s: float = 600.0, max_concurrency: int = 64,
+                 return_routed_experts: bool = False, model_path: Optional[str] = None):
+        if return_routed_experts and (model_path is None or moe_layout(model_path) is None):
+            raise ValueError(f"sglang-server: return_routed_experts needs the mixture-of-experts checkpoint's "
+                             f"model_path (got {model_path})")
+        self._moe = moe_layout(model_path) if return_routed_experts else None
         self.base_url = base_url.rstrip("/")
         self.world = engine_world_size
         self.group_host = group_host or route_address(self.base_url)
@@ -87,7 +101,8 @@ class SGLangServerEngine(RolloutEngine):
     def from_spec(cls, spec: EngineSpec) -> "SGLangServerEngine":
         return cls(base_url=spec.server_urls[0], engine_world_size=spec.tp,
                    expect={"tp_size": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
-                   weight_backend="nccl" if spec.cuda else "gloo", bucket_bytes=spec.sync_bucket_bytes)
+                   weight_backend="nccl" if spec.cuda else "gloo", bucket_bytes=spec.sync_bucket_bytes,
+                   return_routed_experts=spec.return_routed_experts, model_path=spec.model_path)
 
     def _check_server(self, expect: dict) -> None:
         """The server must honour the spec; one line naming every difference otherwise."""
@@ -123,9 +138,10 @@ class SGLangServerEngine(RolloutEngine):
         rows, input_ids, sp = sglang_rows(prompt_token_ids, params, prompt_indices)
 
         def one(i: int) -> GenerationResult:
-            out = self._post("/generate", {"input_ids": input_ids[i], "sampling_params": sp[i],
-                                           "return_logprob": True})
-            return to_result(rows[i], out)
+            body = {"input_ids": input_ids[i], "sampling_params": sp[i], "return_logprob": True}
+            if self._moe is not None:
+                body["return_routed_experts"] = True
+            return to_result(rows[i], self._post("/generate", body), self._moe)
 
         return run_requests(len(rows), one, max_workers=self.max_concurrency, interrupted=self.interrupted,
                             abort=self.abort_requests)

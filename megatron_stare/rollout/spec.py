@@ -191,6 +191,9 @@ class EngineSpec:
     cpu_kv_cache_bytes: int = 0
     """KV cache of a vLLM engine on CPU, bytes (vLLM's ``kv_cache_memory_bytes``, from
     ``rollout.cpu_kv_cache_gb``: ``vllm_cpu.kv_cache_gb``); 0 on GPU and for other engines."""
+    return_routed_experts: bool = False
+    """vLLM engines return the routed experts of every sample (MoE routing replay, R3:
+    ``GenerationResult.routed_experts``); GPU only (``rollout/routed_experts.py``)."""
 
     @property
     def traits(self) -> EngineTraits:

@@ -23,7 +23,7 @@ import importlib.util
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 #: The backend's module, class and method that list the head sizes.
 _BACKEND = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend", "get_supported_head_sizes")
@@ -123,3 +123,37 @@ def kv_cache_gb(configured: float, engines_on_node: int, env: Mapping[str, str] 
         except ValueError:
             pass  # vLLM itself reports a malformed value
     return default_kv_cache_gb(engines_on_node)
+
+
+#: vLLM-CPU's shared-memory segments of a TP group (``cpu_communicator.py``: ``_CPUSHMDistributed``).
+SHM_GLOB = "*-cpushm_*"
+
+
+def remove_stale_shm(shm_dir: str = "/dev/shm") -> List[str]:
+    """Unlink vLLM-CPU's shared-memory segments that no live process maps; returns their names.
+
+    A vLLM-CPU engine at TP > 1 talks over shared-memory segments named after its group
+    (``{VLLM_DIST_IDENT}-tp:0-[0-1]-cpushm_<rank>``) where, under ``external_launcher``, the
+    identifier is the constant ``env://`` (``cpu_worker.py:148``): the same names every run. A
+    rank that dies by SIGKILL (a preemption, the OOM killer) leaves them behind, and the next
+    engine on the node fails to start (``create shm in SHMManager failed. errno: 17``). Segments
+    a live process still maps (another engine on the node) are left alone."""
+    stale = [p for p in Path(shm_dir).glob(SHM_GLOB) if p.is_file()]
+    if not stale:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(p.name for p in stale if p.name in text)
+    out = []
+    for p in stale:
+        if p.name not in mapped:
+            try:
+                p.unlink()
+                out.append(p.name)
+            except OSError:
+                pass
+    return out

@@ -39,6 +39,8 @@ from ..preemption import StepInterrupted
 from ..weight_sync import TensorChecksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
+from . import vllm_cpu
+from .routed_experts import capture_unavailable, moe_layers, to_result_layout
 from .spec import EngineSpec
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "from_vllm_output", "llm_kwargs", "to_vllm_sampling_params"]
@@ -80,14 +82,22 @@ def to_vllm_sampling_params(params: SamplingParams, prompt_index: int):
     )
 
 
-def from_vllm_output(prompt_index: int, request_output) -> List[GenerationResult]:
-    """One vLLM ``RequestOutput`` -> our results, ordered by sample index."""
+def from_vllm_output(prompt_index: int, request_output,
+                     moe_layers: Optional[Sequence[int]] = None) -> List[GenerationResult]:
+    """One vLLM ``RequestOutput`` -> our results, ordered by sample index. ``moe_layers`` (the
+    MoE layers' indices): take each completion's routed experts (``rollout/routed_experts.py``)."""
     results = []
     for s, c in enumerate(sorted(request_output.outputs, key=lambda c: c.index)):
         toks = list(c.token_ids)
         lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
+        routed = None
+        if moe_layers is not None:
+            if c.routed_experts is None:
+                raise RuntimeError("vLLM returned no routed experts (was the engine built with "
+                                   "enable_return_routed_experts?)")
+            routed = to_result_layout(c.routed_experts, moe_layers)
         results.append(GenerationResult(prompt_index, s, toks, torch.tensor(lps, dtype=torch.float32),
-                                        _finish_reason(c.finish_reason)))
+                                        _finish_reason(c.finish_reason), routed_experts=routed))
     return results
 
 
@@ -112,6 +122,10 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: default True on GPU, False on CPU (unsupported).
         sleep_level: 1 offloads weights to host, 2 discards them (a weight update follows).
         record_checksums: workers remember checksums of every received tensor.
+        return_routed_experts: every result carries the engine's routed experts
+            (``GenerationResult.routed_experts``; vLLM's ``enable_return_routed_experts``), for
+            routing replay (``rollout.routing_replay=r3``). Refused on CPU, where vLLM cannot
+            capture them (``rollout/routed_experts.py`` says why).
         **llm_kwargs: passed to ``vllm.LLM``.
     """
 
@@ -120,7 +134,9 @@ class VLLMEngine(RolloutEngine):
                  dtype: str = "float32", enforce_eager: Optional[bool] = None,
                  enable_sleep_mode: Optional[bool] = None, sleep_level: int = SLEEP_LEVEL,
                  record_checksums: bool = False, logprobs_mode: str = LOGPROBS_MODE,
-                 generation_config: str = "vllm", **llm_kw):
+                 generation_config: str = "vllm", return_routed_experts: bool = False, **llm_kw):
+        if return_routed_experts and (why := capture_unavailable(torch.cuda.is_available())):
+            raise ValueError(why)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError("the colocated vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                              "(tensors cannot cross the multiprocess RPC); unset it or use the "
@@ -134,7 +150,12 @@ class VLLMEngine(RolloutEngine):
         self.record_checksums = record_checksums
         self._enable_sleep = (not self.cpu) if enable_sleep_mode is None else enable_sleep_mode
         self._external = distributed_executor_backend == "external_launcher"
+        self._moe_layers = moe_layers(str(model_path)) if return_routed_experts else None
+        if return_routed_experts:
+            llm_kw["enable_return_routed_experts"] = True
         owned_dist = not dist.is_initialized()
+        if self.cpu and tensor_parallel_size > 1 and self._external:
+            self._remove_stale_shm()
         self.llm = LLM(
             model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
@@ -145,10 +166,24 @@ class VLLMEngine(RolloutEngine):
         # vLLM created the default process group only if none existed: then it is ours to end.
         self._owns_dist = owned_dist and not self._external and dist.is_initialized()
 
+    @staticmethod
+    def _remove_stale_shm() -> None:
+        """Leftovers of a killed run would stop the TP group's start (``vllm_cpu.remove_stale_shm``):
+        one rank per node removes them while the others wait."""
+        import torch.distributed as dist
+
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            gone = vllm_cpu.remove_stale_shm()
+            if gone:
+                log.warning("vllm engine: removed %d stale vLLM-CPU shared-memory segment(s) of a killed run: %s",
+                            len(gone), ", ".join(gone))
+        dist.barrier()
+
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> "VLLMEngine":
         kw = llm_kwargs(spec)
-        return cls(kw.pop("model"), record_checksums=spec.record_checksums, **kw)
+        return cls(kw.pop("model"), record_checksums=spec.record_checksums,
+                   return_routed_experts=spec.return_routed_experts, **kw)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
                  prompt_indices: Optional[Sequence[int]] = None) -> List[GenerationResult]:
@@ -164,7 +199,7 @@ class VLLMEngine(RolloutEngine):
             outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
         if aborted:
             raise StepInterrupted("generate")
-        return [r for i, o in zip(idx, outs) for r in from_vllm_output(i, o)]
+        return [r for i, o in zip(idx, outs) for r in from_vllm_output(i, o, self._moe_layers)]
 
     @contextmanager
     def _abort_on_interrupt(self):

@@ -66,6 +66,7 @@ from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, ErrorReply, request_json
 from .interruptible import run_requests
+from .routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
 from .server_guard import guarded
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
@@ -118,6 +119,8 @@ def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) 
             "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
             "--worker-extension-cls", WORKER_EXTENSION]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if spec.return_routed_experts:  # each completion then carries its routing (base64 .npy)
+        argv.append("--enable-return-routed-experts")
     if not spec.cuda:
         argv.append("--enforce-eager")
         if spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
@@ -147,6 +150,12 @@ class VLLMServerEngine(RolloutEngine):
         max_concurrency: parallel HTTP requests (the server batches them).
         keep_log: keep a spawned server's log file after ``shutdown()`` (its tail is in every
             start-up error anyway).
+        return_routed_experts: results carry the server's routed experts
+            (``GenerationResult.routed_experts``, from each ``/v1/completions`` choice's
+            ``routed_experts``; the server needs ``--enable-return-routed-experts``, which
+            ``server_command`` adds when the spec asks). Refused on CPU (``rollout/routed_experts.py``).
+        model_path: the HF checkpoint whose MoE layers the routing covers (default: a spawned
+            server's ``--model``).
     """
 
     name = "vllm-server"
@@ -155,10 +164,18 @@ class VLLMServerEngine(RolloutEngine):
                  tensor_parallel_size: int = 1, sleeps: bool = False, expect: Optional[dict] = None,
                  bucket_bytes: int = 256 << 20, weight_backend: Optional[str] = None,
                  record_checksums: bool = False, startup_timeout_s: float = 300.0,
-                 request_timeout_s: float = 600.0, max_concurrency: int = 64, keep_log: bool = False):
+                 request_timeout_s: float = 600.0, max_concurrency: int = 64, keep_log: bool = False,
+                 return_routed_experts: bool = False, model_path: Optional[str] = None):
         if (command is None) == (base_url is None):
             raise ValueError("vllm-server: pass exactly one of command (spawn) or base_url (attach)")
         cuda = torch.cuda.is_available()
+        if return_routed_experts and (why := capture_unavailable(cuda)):
+            raise ValueError(why)
+        if return_routed_experts and model_path is None and command is not None:
+            model_path = command.argv[list(command.argv).index("--model") + 1]
+        if return_routed_experts and model_path is None:
+            raise ValueError("vllm-server: return_routed_experts needs model_path (the checkpoint's MoE layers)")
+        self._moe_layers = moe_layers(model_path) if return_routed_experts else None
         self.keep_log = keep_log
         self.bucket_bytes = bucket_bytes
         self.weight_backend = weight_backend or ("nccl" if cuda else "gloo")
@@ -196,7 +213,8 @@ class VLLMServerEngine(RolloutEngine):
     def from_spec(cls, spec: EngineSpec, url: Optional[str] = None) -> "VLLMServerEngine":
         """The spec's server: attached to ``url`` (default: the spec's only URL), else spawned."""
         common = dict(tensor_parallel_size=spec.tp, bucket_bytes=spec.sync_bucket_bytes,
-                      record_checksums=spec.record_checksums)
+                      record_checksums=spec.record_checksums, return_routed_experts=spec.return_routed_experts,
+                      model_path=spec.model_path)
         if spec.attaches:  # on GPUs of its own: NCCL on GPUs, nothing to release
             return cls(base_url=url or spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
                        expect={"tp": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
@@ -294,7 +312,13 @@ class VLLMServerEngine(RolloutEngine):
             if reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM server request ended with finish_reason={reason!r}")
             lps = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
-            results.append(GenerationResult(index, s, list(c["token_ids"]), lps, reason))
+            routed = None
+            if self._moe_layers is not None:
+                if c.get("routed_experts") is None:
+                    raise RuntimeError(f"vllm-server at {self.base_url} returned no routed experts: start it with "
+                                       f"--enable-return-routed-experts")
+                routed = to_result_layout(decode_npy_b64(c["routed_experts"]), self._moe_layers)
+            results.append(GenerationResult(index, s, list(c["token_ids"]), lps, reason, routed_experts=routed))
         return results
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,

@@ -31,6 +31,25 @@ log = logging.getLogger(__name__)
 __all__ = ["StareWorkerExtension"]
 
 
+def _forget_cpu_moe_kernels(model: torch.nn.Module) -> None:
+    """Make vLLM-CPU redo its MoE experts' set-up on a weight reload (a vLLM 0.32 bug otherwise).
+
+    On a weight update vLLM's unquantized MoE method skips the experts' own post-load step
+    (``unquantized_fused_moe_method.py:187-205``: ``is_weight_update`` when a kernel exists),
+    and on CPU that step is the prepack into the grouped-GEMM layout
+    (``experts/cpu_moe.py:208``): reloaded experts would be read in the wrong layout (wrong
+    tokens, no error). With the kernel dropped, the reload takes the first-load path: the new
+    kernel is built, the experts padded and prepacked, and vLLM's layer-wise reload copies the
+    result into the original parameters. Only the kernel object is rebuilt; no GPU path runs
+    this (there the kernel must persist: CUDA graphs hold its tensors)."""
+    if torch.cuda.is_available():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None and hasattr(method, "_init_moe_kernel"):
+            method.moe_kernel = None
+
+
 class StareWorkerExtension:
     """Weight update, checksum and weight-group methods for a vLLM worker."""
 
@@ -53,6 +72,7 @@ class StareWorkerExtension:
                     received[name] = tensor_checksum(t, source="received")
                 yield name, t
 
+        _forget_cpu_moe_kernels(self.model_runner.get_model())
         self.reload_weights(weights_iterator=stream())
         self._stare_received = received
         return counts

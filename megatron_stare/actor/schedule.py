@@ -38,10 +38,15 @@ def _routes_experts(m) -> bool:
 
 def _row_padding(row) -> torch.Tensor:
     """``[1, t]`` bool, True at the packed row's padding (slot padding, the row's multiple):
-    megatron's MoE ``padding_mask``, which keeps padding out of the router's losses."""
-    pad = torch.ones_like(row.input_ids, dtype=torch.bool)
-    pad[0, row.index.reshape(-1)] = False  # cells past a sequence's end map to position 0, a real token
-    return pad
+    megatron's MoE ``padding_mask``, which keeps padding out of the router's losses (else the
+    padding to the TP multiple would be routed and counted by the aux and z-losses).
+
+    A token is padding where its position in its slot is past its sequence's length; this CP
+    rank holds ``slot / cp`` positions of each slot (all of them at CP1)."""
+    cp = sum(row.slot_lens) // row.input_ids.shape[1]
+    kept = torch.tensor(row.slot_lens) // cp
+    seq_len = torch.repeat_interleave(torch.tensor(row.seq_lens), kept).to(row.position_ids.device)
+    return (row.position_ids[0] >= seq_len).unsqueeze(0)
 
 
 def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequence[LossFunc],

@@ -14,7 +14,9 @@ optimizer state too, beside the LR schedule. Megatron's plain optimizers key eve
 The distributed optimizer saves in megatron-core's ``fully_reshardable`` format: each parameter's
 fp32 main param and moments in model space (the parameter's own shape and TP/PP sharding), so
 its state loads at any TP/PP/DP layout. The DP shards are gathered over the DP group before the
-write (no gather at DP1) and the DP ranks split the writing. Checkpoints of the earlier
+write (no gather at DP1) and the DP ranks split the writing. Across expert-parallel layouts
+(EP2 <-> EP1) megatron-core keys and nests the experts' optimizer state differently;
+``optimizer_reshard`` converts on load. Checkpoints of the earlier
 ``dp_reshardable`` format (one tensor per gradient bucket) still load at any DP degree with the
 saved TP/PP. After loading
 weights, ``load_optimizer`` and ``reload_main_params`` keep the fp32 main params in step with them.
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare import checkpoint_writer
+from megatron_stare.models import optimizer_reshard
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
@@ -289,18 +292,13 @@ def check_optimizer_compatible(meta: CheckpointMeta, fmt: str, layout, where: Pa
         raise ValueError(f"optimizer state in {where} was saved as {saved!r}, this run uses {fmt!r}; "
                          f"set parallel.distributed_optimizer as when it was saved")
     old = meta.saved_layout
+    here = (layout.tp, layout.pp, getattr(layout, "ep", 1), getattr(layout, "etp", 1))
     if (saved_sharding(meta) in DP_ONLY_SHARDINGS
-            and (old.get("tp"), old.get("pp")) != (layout.tp, layout.pp)):
+            and (old.get("tp"), old.get("pp"), old.get("ep", 1), old.get("etp", 1)) != here):
         raise ValueError(f"distributed-optimizer state in {where} was saved at tp={old.get('tp')} "
-                         f"pp={old.get('pp')}; it loads at any DP degree but needs the same tp/pp "
-                         f"(this run: tp={layout.tp} pp={layout.pp})")
-    experts = (old.get("ep", 1), old.get("etp", 1))
-    # Measured: megatron-core 0.16 cannot reshard the optimizer state of experts across EP
-    # layouts (distributed or not); the weights reshard (``load_model``).
-    if experts != (getattr(layout, "ep", 1), getattr(layout, "etp", 1)):
-        raise ValueError(f"optimizer state in {where} was saved at ep={experts[0]} etp={experts[1]}; "
-                         f"it needs the same ep/etp (this run: ep={layout.ep} etp={layout.etp}); resume the "
-                         f"weights only (load_optimizer=False) to change them")
+                         f"pp={old.get('pp')} ep={old.get('ep', 1)} etp={old.get('etp', 1)}; it loads at any "
+                         f"DP degree but needs the same tp/pp/ep/etp (this run: tp={here[0]} pp={here[1]} "
+                         f"ep={here[2]} etp={here[3]})")
 
 
 def saved_sharding(meta: CheckpointMeta) -> Optional[str]:
@@ -407,7 +405,10 @@ def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     request = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=True,
                                                           sharding=sharding),
                "scheduler": scheduler.state_dict()}
-    loaded = load_sharded(request, ckpt_dir)
+    # Another EP layout nests and keys the expert state differently (``optimizer_reshard``).
+    convert = optimizer_reshard.needs_conversion(request, optimizer, ckpt_dir)
+    loaded = (optimizer_reshard.load_converted(request, ckpt_dir, load_sharded) if convert
+              else load_sharded(request, ckpt_dir))
     # With fp32 params the distributed optimizer's main params are views of the (grad-requiring)
     # weights, which megatron-core's parameter-state loads copy into in place.
     with torch.no_grad(), _keep_adam_steps(optimizer):

@@ -202,8 +202,11 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
+    from megatron_stare.models import moe_router
     from megatron_stare.models.layer_specs import local_block_spec
 
+    if spec.moe is not None:
+        moe_router.install()  # the z-loss as the micro-batch's token mean under SP/CP
     if attention is None:
         attention = ("te" if use_te else "torch") if use_te is not None else "auto"
     if attention == "auto":

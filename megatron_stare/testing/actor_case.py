@@ -22,6 +22,7 @@ from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config import OptimizerConfig, ParallelConfig
+from megatron_stare.models import moe_router
 from megatron_stare.models.gpt import GPTSpec, MoESpec, transformer_engine_error
 from megatron_stare.models.sharding import load_canonical
 from megatron_stare.parallel import ParallelLayout, init_distributed
@@ -142,13 +143,17 @@ def synthetic_routes(samples: Sequence[Sample], spec: GPTSpec, covered: str = "f
 
 
 def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False,
-                      engine_logp: bool = False, engine_routes: Optional[str] = None, **knobs) -> dict:
+                      engine_logp: bool = False, engine_routes: Optional[str] = None,
+                      megatron_z_loss: bool = False, **knobs) -> dict:
     """One log-prob pass, controller update and STARE update at ``groups`` (see the module
     docstring); ``knobs`` go to ``build_case_actor``. ``engine_logp``: give every token a
     behaviour log-prob ``old_logp - 0.8*sin(1.7*key)`` (ratios in [0.45, 2.2], a function of the
     token's key) for the off-policy corrections. ``engine_routes``: ``synthetic_routes`` coverage
-    (full | response) for routing replay."""
+    (full | response) for routing replay. ``megatron_z_loss``: megatron-core's own per-rank
+    z-loss instead of ``models.moe_router``'s (to show what that patch changes)."""
     actor, algo = build_case_actor(groups, **knobs)
+    if megatron_z_loss:
+        moe_router.uninstall()
     samples = synthetic_samples()
     if engine_routes is not None:
         synthetic_routes(samples, actor.spec, engine_routes)
@@ -165,6 +170,8 @@ def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool =
                 mb.engine_logp = mb.old_logp - 0.8 * torch.sin(1.7 * mb.token_keys.double()).float()
             mb.old_logp = mb.old_logp + 0.05 * torch.sin(mb.token_keys.double()).float()
     res = actor.update(batches, step=0, stare_state=state, collect_selection=True)
+    if megatron_z_loss:
+        moe_router.install()
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics,
             "skipped": res.skipped_steps, "widths": [mb.model_shape[1] for mini in batches for mb in mini],
             "tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mini in batches for mb in mini),

@@ -1,6 +1,7 @@
 """Mixture-of-experts pieces that need no process group: megatron-core's expert grid rule and
 what its MoE layer refuses as one-line ``LayoutError``s; HF config parsing (dense layers,
-routing, shared expert); the fused <-> per-expert on-disk layouts."""
+routing, shared expert); the fused <-> per-expert on-disk layouts; the router's padding mask
+of a packed row."""
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ DENSE_SHAPE = ModelShape(num_layers=4, num_attention_heads=4, num_query_groups=2
     (4, dict(ep=2, etp=2, tp=2, sequence_parallel=True), ModelShape(**{**MOE_SHAPE.__dict__, "moe_ffn_hidden_size": 33}),
      "does not divide the expert width 33"),
     (4, dict(ep=2, tp=2), MOE_SHAPE, "needs parallel.sequence_parallel"),
+    (4, dict(ep=4), ModelShape(**{**MOE_SHAPE.__dict__, "num_experts": 6}), "parallel.ep=4 does not divide the 6 experts"),
+    (6, dict(ep=4), MOE_SHAPE, "etp*ep*pp = 1*4*1 = 4 does not divide the world size 6"),
     (2, dict(ep=2), DENSE_SHAPE, "need a mixture-of-experts model"),
 ])
 def test_refused_layouts_are_one_line(world, kw, shape, needle):
@@ -72,3 +75,29 @@ def test_fused_layout_reads_as_per_expert_and_back():
     get, shapes = per_expert_view(fused.__getitem__, {n: tuple(t.shape) for n, t in fused.items()})
     assert shapes == {n: tuple(t.shape) for n, t in per.items()}
     assert all(torch.equal(get(n), t) for n, t in per.items())
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_router_padding_mask_marks_exactly_the_padding(cp):
+    """Slot padding (to 2*cp) and the row's padding to the SP multiple are padding; every real
+    token is not (the router's aux and z-losses count only those)."""
+    from megatron_stare.actor.schedule import _row_padding
+    from megatron_stare.batching import collate_packed
+    from megatron_stare.types import Sample
+
+    samples = [Sample(sample_id=i, group_id=0, prompt_ids=[5] * p, response_ids=[7] * r)
+               for i, (p, r) in enumerate([(3, 3), (4, 5), (3, 2)])]
+    lens = [5, 8, 4]  # the inputs: every token but the last
+    real = 0
+    for rank in range(cp):
+        row = collate_packed(samples, pad_multiple=6 * cp, cp=cp, cp_rank=rank).packed
+        pad = _row_padding(row)
+        assert row.seq_lens == tuple(lens) and pad.shape == row.input_ids.shape
+        starts = [0]
+        for slot in row.slot_lens:
+            starts.append(starts[-1] + slot // cp)
+        for i, n in enumerate(lens):
+            seg = slice(starts[i], starts[i + 1])
+            assert torch.equal(pad[0, seg], row.position_ids[0, seg] >= n)
+        real += int((~pad).sum())
+    assert real == sum(lens) and row.input_ids.shape[1] * cp > sum(lens)

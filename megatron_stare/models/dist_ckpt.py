@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare import checkpoint_writer
-from megatron_stare.models import optimizer_reshard
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
@@ -405,7 +404,10 @@ def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     request = {"optimizer": _optimizer_sharded_state_dict(optimizer, model, is_loading=True,
                                                           sharding=sharding),
                "scheduler": scheduler.state_dict()}
-    # Another EP layout nests and keys the expert state differently (``optimizer_reshard``).
+    # Another EP layout nests and keys the expert state differently (``optimizer_reshard``; imported
+    # here: it imports megatron-core, which the config checks that import this module must not).
+    from megatron_stare.models import optimizer_reshard
+
     convert = optimizer_reshard.needs_conversion(request, optimizer, ckpt_dir)
     loaded = (optimizer_reshard.load_converted(request, ckpt_dir, load_sharded) if convert
               else load_sharded(request, ckpt_dir))

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare import checkpoint_writer
-from megatron_stare.models import optimizer_reshard
+from megatron_stare.models import optimizer_dp1, optimizer_reshard
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
@@ -267,7 +267,10 @@ def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading:
                                   sharding: str = DISTRIBUTED_OPTIMIZER_SHARDING) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding}
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if is_loading:
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    with optimizer_dp1.dp1_fully_reshardable(optimizer):  # the same state, without the DP1 gather's copies
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
 
 
 def save_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,

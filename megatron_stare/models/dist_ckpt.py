@@ -14,7 +14,8 @@ optimizer state too, beside the LR schedule. Megatron's plain optimizers key eve
 The distributed optimizer saves in megatron-core's ``fully_reshardable`` format: each parameter's
 fp32 main param and moments in model space (the parameter's own shape and TP/PP sharding), so
 its state loads at any TP/PP/DP layout. The DP shards are gathered over the DP group before the
-write (no gather at DP1) and the DP ranks split the writing. Across expert-parallel layouts
+write (at DP1 no gather
+and no copy: ``optimizer_dp1``) and the DP ranks split the writing. Across expert-parallel layouts
 (EP2 <-> EP1) megatron-core keys and nests the experts' optimizer state differently;
 ``optimizer_reshard`` converts on load. Checkpoints of the earlier
 ``dp_reshardable`` format (one tensor per gradient bucket) still load at any DP degree with the

@@ -12,7 +12,8 @@ A save (``checkpoint.save_checkpoint(..., background=saves)``) runs in two halve
    trainer's later updates do not reach it), and the step goes on.
 2. **In the background:** the writer process runs megatron-core's writes (forking its file
    workers, ``FileSystemWriterAsync``), which hash the bytes as they write them
-   (``checkpoint_writer``), while the next step generates and trains.
+   (``checkpoint_writer``), while the next step generates and trains. It runs at a lower
+   priority (``WRITER_NICENESS``): where cores are short, the step's own threads go first.
 3. **Finalization** (``poll`` at every step boundary, collective: one ``[1]`` all-reduce while a
    save is pending; ``wait`` before the next save, at a preemption and at the end of the run):
    once every rank's writer is done, megatron-core gathers the write results and writes its
@@ -35,11 +36,15 @@ the fork shares the pages copy-on-write (the trainer's next updates copy what th
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 __all__ = ["BackgroundSaves", "save_run"]
+
+#: How much lower the background writer process and its workers run than the rank (``os.nice``).
+WRITER_NICENESS = 10
 
 
 def save_run(trainer, step: int, state: Optional[dict] = None) -> None:
@@ -64,6 +69,8 @@ def _write_all(calls: List[Tuple[Callable, tuple, dict]]) -> None:
     from megatron_stare.checkpoint_writer import die_with_parent
 
     die_with_parent()
+    # Below the trainer, whose next step this write overlaps (its file workers inherit it).
+    os.nice(WRITER_NICENESS)
     for fn, args, kwargs in calls:
         fn(*args, **kwargs)
 

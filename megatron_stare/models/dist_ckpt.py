@@ -14,7 +14,8 @@ optimizer state too, beside the LR schedule. Megatron's plain optimizers key eve
 The distributed optimizer saves in megatron-core's ``fully_reshardable`` format: each parameter's
 fp32 main param and moments in model space (the parameter's own shape and TP/PP sharding), so
 its state loads at any TP/PP/DP layout. The DP shards are gathered over the DP group before the
-write (no gather at DP1) and the DP ranks split the writing. Across expert-parallel layouts
+write (at DP1 no gather
+and no copy: ``optimizer_dp1``) and the DP ranks split the writing. Across expert-parallel layouts
 (EP2 <-> EP1) megatron-core keys and nests the experts' optimizer state differently;
 ``optimizer_reshard`` converts on load. Checkpoints of the earlier
 ``dp_reshardable`` format (one tensor per gradient bucket) still load at any DP degree with the
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare import checkpoint_writer
+from megatron_stare.models import optimizer_dp1
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
@@ -266,7 +268,10 @@ def _optimizer_sharded_state_dict(optimizer, model: torch.nn.Module, is_loading:
                                   sharding: str = DISTRIBUTED_OPTIMIZER_SHARDING) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding}
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if is_loading:
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    with optimizer_dp1.dp1_fully_reshardable(optimizer):  # the same state, without the DP1 gather's copies
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
 
 
 def save_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: ParallelGroups,

@@ -1,0 +1,58 @@
+"""The entropy study's tasks (``--task``): what the warm start fits, how it is scored, and the RL config.
+
+- ``pick_sum`` (study v1): pick 2 of 6 digits that sum to N, 5-token responses.
+- ``sum_steps`` (study v2): pick k of 8 digits (k in 3..5) that sum to N, with the running sums
+  written out (``rewards/sum_steps.py``): 16-32-token responses, a forking decision at every pick.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from megatron_stare.rewards.hop_path import random_path
+from megatron_stare.rewards.sum_steps import random_solution
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class StudyTask:
+    name: str
+    """The synthetic task (``rewards.make_task``) and the reward (``reward.fn``) of the same name."""
+    kwargs: Dict[str, object]
+    """``make_task`` keywords."""
+    config: Path
+    """The RL settings of every run (``examples/*.yaml``)."""
+    max_new_tokens: int
+    """Sampling limit of the warm start's probes (the config's ``rollout.max_new_tokens``)."""
+    sft_lr: float = 1e-3
+    sft_max_steps: int = 1500
+    stop_accuracy: float = 0.3
+    """The warm start stops once its sampled accuracy on 64 probe prompts reaches this."""
+    sft_target: Optional[Callable[[dict, random.Random], str]] = None
+    """A row's supervised response (default ``sft.sft_target``: one of its ``solutions``)."""
+    validate_samples: int = 32
+    """Samples per prompt of the validity measurement (pass@k up to this k)."""
+    results_dir: Optional[Path] = None
+    """Where each finished (method, seed) run's result JSON is committed (None: only under --out)."""
+    kv_cache: bool = False
+    """Sample the warm start's probes with a KV cache (``study_validate.measure_policy_kv``)."""
+    default_steps: int = 400
+    default_methods: tuple = field(default_factory=tuple)
+
+
+TASKS: Dict[str, StudyTask] = {
+    "pick_sum": StudyTask("pick_sum", dict(length=6, terms=2, min_solutions=2), ROOT / "examples" / "study_cpu.yaml",
+                          max_new_tokens=8),
+    "sum_steps": StudyTask("sum_steps", dict(length=8, terms="3,4,5", min_solutions=2),
+                           ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=48, stop_accuracy=0.3,
+                           sft_target=random_solution, kv_cache=True, results_dir=ROOT / "docs" / "study_v2" / "results",
+                           default_steps=200),
+    "hop_path": StudyTask("hop_path", dict(sizes=3, max_hop=5, targets="15,35"),
+                          ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=64, stop_accuracy=0.3,
+                          sft_target=random_path, kv_cache=True, results_dir=ROOT / "docs" / "study_v2" / "results",
+                          default_steps=200),
+}

@@ -103,7 +103,8 @@ def prepare_seed(s: StudySettings, seed: int) -> dict:
     cached = (seed_dir(s, seed) / "start.json").is_file()
     task = task_of(s)
     stop = s.sft_stop_accuracy if task.name == "pick_sum" else task.stop_accuracy
-    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=s.eval_prompts,
+    eval_prompts = s.eval_prompts if task.name == "pick_sum" else task.eval_prompts
+    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=eval_prompts,
                                stop_accuracy=stop, log=lambda m: log(f"seed {seed} {m}"), task=task)
     if results_dir(s) is not None:
         start = validate_seed(s, seed, start)
@@ -168,8 +169,15 @@ def trainer_args(s: StudySettings, spec: RunSpec, start: dict) -> List[str]:
           f"algorithm.stare.target_entropy={target:.6f}", f"trainer.total_steps={steps}",
           f"trainer.eval_every={max(1, steps // s.evals)}", f"trainer.seed={spec.seed + 1}", f"data.seed={spec.seed}",
           f"logging.log_every={max(1, steps // 4)}", *spec.overrides]
+    task = task_of(s)
+    if task.name != "pick_sum":  # the v2 config serves every v2 task: its reward and length limit
+        ov += [f"reward.fn={task.name}", f"rollout.max_new_tokens={task.max_new_tokens}"]
+        if spec.method == "dapo":  # overlong shaping over the last quarter of the length limit
+            ov += [f"reward.overlong_buffer_len={task.max_new_tokens // 4}"]
     if s.quick:
         ov += ["trainer.prompts_per_step=4", "rollout.n=4"]
+        if task.name != "pick_sum":  # one evaluation, of 16 samples (still a pass@k ladder)
+            ov += [f"trainer.eval_every={steps}", "rollout.eval_n=16"]
     return ov + list(s.overrides)
 
 

@@ -38,6 +38,10 @@ class StudyTask:
     """Samples per prompt of the validity measurement (pass@k up to this k)."""
     results_dir: Optional[Path] = None
     """Where each finished (method, seed) run's result JSON is committed (None: only under --out)."""
+    eval_prompts: int = 256
+    """Held-out prompts of every evaluation (v2: 64, at 32 samples each)."""
+    quick_sft_steps: int = 120
+    """The warm start's step limit with ``--quick``."""
     kv_cache: bool = False
     """Sample the warm start's probes with a KV cache (``study_validate.measure_policy_kv``)."""
     default_steps: int = 400
@@ -49,10 +53,10 @@ TASKS: Dict[str, StudyTask] = {
                           max_new_tokens=8),
     "sum_steps": StudyTask("sum_steps", dict(length=8, terms="3,4,5", min_solutions=2),
                            ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=48, stop_accuracy=0.3,
-                           sft_target=random_solution, kv_cache=True, results_dir=ROOT / "docs" / "study_v2" / "results",
+                           sft_target=random_solution, kv_cache=True, eval_prompts=64, quick_sft_steps=60, results_dir=ROOT / "docs" / "study_v2" / "results",
                            default_steps=200),
     "hop_path": StudyTask("hop_path", dict(sizes=3, max_hop=5, targets="15,35"),
                           ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=64, stop_accuracy=0.3,
-                          sft_target=random_path, kv_cache=True, results_dir=ROOT / "docs" / "study_v2" / "results",
+                          sft_target=random_path, kv_cache=True, eval_prompts=64, quick_sft_steps=60, results_dir=ROOT / "docs" / "study_v2" / "results",
                           default_steps=200),
 }

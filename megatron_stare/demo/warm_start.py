@@ -56,7 +56,7 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
     # SFT lr 1e-3: at 3e-3 the tiny model sat on a plateau for ~1000 steps (docs/study.md).
     # Quick: just long enough that some responses are correct (rewards vary inside groups).
     mnt = task.max_new_tokens
-    cfg = (SftSettings(max_steps=120, eval_every=20, probe_prompts=16, lr=task.sft_lr, stop_accuracy=0.15,
+    cfg = (SftSettings(max_steps=task.quick_sft_steps, eval_every=20, probe_prompts=16, lr=task.sft_lr, stop_accuracy=0.15,
                        max_new_tokens=mnt) if quick else
            SftSettings(max_steps=task.sft_max_steps, eval_every=10, probe_prompts=64, lr=task.sft_lr,
                        stop_accuracy=stop_accuracy, max_new_tokens=mnt))

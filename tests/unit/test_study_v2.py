@@ -24,16 +24,22 @@ def test_hop_path_rows_paths_and_reward():
     rng = random.Random(0)
     for r in rows:
         hops = [int(h) for h in r["hops"].split()]
-        assert len(set(hops)) == 3 and 15 <= int(r["answer"]) <= 35 and reachable(hops, int(r["answer"]))[-1]
+        avoid = [int(x) for x in r["avoid"].split()]
+        assert len(set(hops)) == 3 and 15 <= int(r["answer"]) <= 35 and reachable(hops, int(r["answer"]), avoid)[0]
+        assert r["prompt"].endswith(f"avoiding {avoid[0]} {avoid[1]}:") and 0 < avoid[0] < avoid[1] < int(r["answer"])
         paths = {random_path(r, rng) for _ in range(20)}
         assert len(paths) > 1  # several correct orders of work
         assert all(hop_path_reward(p, r["answer"], r) == 1.0 for p in paths)
-    row = {"hops": "2 3 5"}
+        assert not any(str(a) in p.split() for a in avoid for p in paths)
+    row = {"hops": "2 3 5", "avoid": "4 7"}
     assert hop_path_reward(" 2 5 10", "10", row) == 1.0 and hop_path_reward("3 5 10\n", "10", row) == 1.0
-    for bad in (" 2 5 9", " 2 5 10 12", " 2 5", " 1 3 10", " 2,5,10", "", " 5 10 10", " 2 5 10." , "x"):
+    for bad in (" 2 5 9", " 2 5 10 12", " 2 5", " 1 3 10", " 2,5,10", "", " 5 10 10", " 2 5 10.", "x",
+                " 2 4 5 10", " 5 7 10"):  # the last two step on an avoided position
         assert hop_path_reward(bad, "10", row) == 0.0, bad
     assert hop_path_reward(" 2 5 10", "10", {}) == 0.0
-    assert reachable([4, 5], 11) == [True, False, False, False, True, True, False, False, True, True, True, False]
+    # Hops 4 and 5 to 11 avoiding 7: from 6 (+5), 2 (+4 to 6), 1 (+5 to 6); 0, 3, 4, 5 lead only to dead ends.
+    ok = reachable([4, 5], 11, avoid=[7])
+    assert [p for p in range(12) if ok[p]] == [1, 2, 6, 11]
 
 
 def test_sum_steps_rows_solutions_and_reward():

@@ -254,7 +254,7 @@ def run_all(s: StudySettings, specs: Sequence[RunSpec], starts: Dict[int, dict])
 
 
 def study_specs(s: StudySettings) -> List[RunSpec]:
-    return [RunSpec(seed, name, tuple(sm.method_overrides(name))) for seed in s.seeds for name in s.methods]
+    return [RunSpec(seed, name, tuple(task_of(s).method_overrides(name))) for seed in s.seeds for name in s.methods]
 
 
 def _name(spec: RunSpec) -> str:
@@ -365,7 +365,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple:
     out = a.out or (d.out if a.task == "pick_sum" else f"runs/study_{a.task}")
     methods = list(a.methods) if a.task != "pick_sum" or a.methods != d.methods else V1_METHODS
     s = StudySettings(out=out, seeds=list(a.seeds), steps=steps, jobs=a.jobs, target_ratio=a.target_ratio,
-                      methods=methods, quick=a.quick, overrides=list(a.overrides), task=a.task, results=a.results)
+                      methods=methods, quick=a.quick, overrides=list(a.overrides), task=a.task, results=a.results,
+                      evals=TASKS[a.task].evals)
     return s, a.tune, ("validate" if a.validate else "report" if a.report_only else None)
 
 

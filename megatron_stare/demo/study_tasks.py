@@ -1,8 +1,11 @@
 """The entropy study's tasks (``--task``): what the warm start fits, how it is scored, and the RL config.
 
 - ``pick_sum`` (study v1): pick 2 of 6 digits that sum to N, 5-token responses.
-- ``sum_steps`` (study v2): pick k of 8 digits (k in 3..5) that sum to N, with the running sums
-  written out (``rewards/sum_steps.py``): 16-32-token responses, a forking decision at every pick.
+- ``sum_steps`` (a study v2 candidate): pick k of 8 digits (k in 3..5) that sum to N, with the
+  running sums written out (``rewards/sum_steps.py``): 16-32-token responses, a fork at every pick.
+  Its warm start failed the validity checks (docs/study.md, "Study v2"); kept for comparison.
+- ``hop_path`` (study v2): reach N from 0 in hops of 3 offered sizes avoiding 2 positions, every
+  position written (``rewards/hop_path.py``): 20-50-token responses, a fork at every position.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
+
+from megatron_stare.demo.study_methods import GRIDS, SHARED, method_overrides
 
 from megatron_stare.rewards.hop_path import random_path
 from megatron_stare.rewards.sum_steps import random_solution
@@ -45,6 +50,16 @@ class StudyTask:
     kv_cache: bool = False
     """Sample the warm start's probes with a KV cache (``study_validate.measure_policy_kv``)."""
     default_steps: int = 400
+    evals: int = 8
+    """Held-out evaluations per run (v2: 4, each 64 prompts x 32 samples)."""
+    shared: Optional[tuple] = None
+    """The shared lr and batch of every method (None: ``study_methods.SHARED``, v1's tuned point)."""
+    chosen: Dict[str, int] = field(default_factory=dict)
+    """Per-method grid points that replace ``study_methods.CHOSEN`` for this task."""
+
+    def method_overrides(self, name: str) -> List[str]:
+        knobs = GRIDS[name][self.chosen[name]] if name in self.chosen else None
+        return method_overrides(name, knobs, shared=self.shared or SHARED)
     default_methods: tuple = field(default_factory=tuple)
 
 
@@ -53,10 +68,15 @@ TASKS: Dict[str, StudyTask] = {
                           max_new_tokens=8),
     "sum_steps": StudyTask("sum_steps", dict(length=8, terms="3,4,5", min_solutions=2),
                            ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=48, stop_accuracy=0.3,
-                           sft_target=random_solution, kv_cache=True, eval_prompts=64, quick_sft_steps=60, results_dir=ROOT / "docs" / "study_v2" / "results",
-                           default_steps=200),
+                           sft_target=random_solution, kv_cache=True, eval_prompts=64, quick_sft_steps=60,
+                           results_dir=ROOT / "docs" / "study_v2" / "results", default_steps=200, evals=4),
+    # Study v2 (docs/study.md, "Study v2"). Fixed before any method ran, to fit 200 steps: the shared
+    # lr is v1's runner-up point (3e-4 x 16 prompts; v1's GRPO collapsed fastest there), and STARE
+    # uses its grid's looser caps (W 30, M 0.03) so that the adaptive W/M do not bind within the run.
     "hop_path": StudyTask("hop_path", dict(sizes=3, max_hop=5, targets="15,35"),
-                          ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=64, stop_accuracy=0.3,
-                          sft_target=random_path, kv_cache=True, eval_prompts=64, quick_sft_steps=60, results_dir=ROOT / "docs" / "study_v2" / "results",
-                          default_steps=200),
+                          ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=64, stop_accuracy=0.25,
+                          sft_lr=3e-3, sft_target=random_path, kv_cache=True, eval_prompts=64, quick_sft_steps=60,
+                          results_dir=ROOT / "docs" / "study_v2" / "results", default_steps=200, evals=4,
+                          shared=("optimizer.lr=3e-4", "trainer.prompts_per_step=16"),
+                          chosen={"stare_o1": 1, "stare_c2": 1}),
 }

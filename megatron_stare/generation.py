@@ -14,7 +14,6 @@ variance (with dynamic sampling), computes group advantages and returns the step
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 

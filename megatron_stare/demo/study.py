@@ -186,10 +186,12 @@ def run_steps(s: StudySettings) -> int:
 
 
 def result_key(s: StudySettings, spec: RunSpec, start: dict) -> str:
-    """What defines a recorded run, without this machine's paths (``study_results``)."""
+    """What defines a recorded run, without this machine's paths (``study_results``): the task and
+    its settings, the warm start (its H0), the run's overrides and schedule."""
     target = target_entropy(s, start) if spec.method.startswith("stare") else 0.0
-    return sr.result_key([s.task, str(spec.seed), str(run_steps(s)), str(s.evals), f"{target:.4f}",
-                          str(s.quick), *spec.overrides, "--", *s.overrides])
+    return sr.result_key([s.task, json.dumps(task_of(s).kwargs, sort_keys=True), f"{start['H0']:.6f}", str(spec.seed),
+                          str(run_steps(s)), str(s.evals), f"{target:.4f}", str(s.quick), *spec.overrides, "--",
+                          *s.overrides])
 
 
 def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:

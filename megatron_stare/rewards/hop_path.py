@@ -11,7 +11,7 @@ The number of correct responses is the number of ordered hop sequences summing t
 neither avoided position (hundreds to millions here); a hop onto a position from which the
 avoided ones cannot be passed is a dead end found only later: the forks matter. A response is
 ``2-3 x hops`` model tokens (a space and one or two digits per position: digits are single
-tokens), 20-45 for the targets below; shorter hops give longer responses, so length is a choice.
+tokens), 10-60 for N in 15-50 (study v2); shorter hops give longer responses, so length is a choice.
 
 Row keys: ``prompt``; ``answer`` (N); ``hops`` (the offered hop sizes, space separated, distinct);
 ``avoid`` (the two avoided positions, in 1..N-1). The generator draws ``sizes`` distinct hops from

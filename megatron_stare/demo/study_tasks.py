@@ -70,15 +70,15 @@ TASKS: Dict[str, StudyTask] = {
                            ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=48, stop_accuracy=0.3,
                            sft_target=random_solution, kv_cache=True, eval_prompts=64, quick_sft_steps=60,
                            results_dir=ROOT / "docs" / "study_v2" / "results", default_steps=200, evals=4),
-    # Study v2 (docs/study.md, "Study v2"). Fixed before any method ran, to fit 200 steps: the shared
-    # lr is v1's runner-up point (3e-4 x 16 prompts; v1's GRPO collapsed fastest there), and STARE
-    # uses its grid's looser caps (W 30, M 0.03) so that the adaptive W/M do not bind within the run.
+    # Study v2 (docs/study.md, "Study v2"). The shared lr is v1's runner-up point (3e-4 x 16 prompts;
+    # v1's GRPO collapsed fastest there); STARE uses its grid's looser caps (W 30, M 0.03) so that the
+    # adaptive W/M do not bind; 400 steps, as v1 (a 200-step GRPO run never reached the target).
     # N in 15-50: of the candidates it alone has pass@32 <= 0.9 at the warm start (docs/study.md);
     # its warm start does not reach stop_accuracy and ends at the 1500-step limit (sampled acc ~0.1).
     "hop_path": StudyTask("hop_path", dict(sizes=3, max_hop=5, targets="15,50"),
                           ROOT / "examples" / "study_v2_cpu.yaml", max_new_tokens=64, stop_accuracy=0.35,
                           sft_lr=3e-3, sft_target=random_path, kv_cache=True, eval_prompts=64, quick_sft_steps=60,
-                          results_dir=ROOT / "docs" / "study_v2" / "results", default_steps=200, evals=4,
+                          results_dir=ROOT / "docs" / "study_v2" / "results", default_steps=400, evals=8,
                           shared=("optimizer.lr=3e-4", "trainer.prompts_per_step=16"),
                           chosen={"stare_o1": 1, "stare_c2": 1}),
 }

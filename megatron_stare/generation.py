@@ -13,6 +13,7 @@ variance (with dynamic sampling), computes group advantages and returns the step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
@@ -75,7 +76,7 @@ class RolloutStats:
                 "reward/timeouts": self.reward_timeouts,
                 "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
                 "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,
-                "rollout/kept_groups": self.kept_groups}
+                "rollout/kept_groups": self.kept_groups, "rollout/generated_tokens": self.num_tokens}
 
 
 def model_tokens(result: GenerationResult) -> int:
@@ -166,10 +167,20 @@ class GroupSelector:
         return samples, stats
 
 
+def pass_at_j(correct: torch.Tensor, j: int) -> float:
+    """Mean over prompts of the unbiased pass@j from ``correct`` ``[prompts, k]`` (0/1), j <= k."""
+    k = correct.shape[1]
+    return float(sum(1.0 if k - c < j else 1.0 - math.comb(k - c, j) / math.comb(k, j)
+                     for c in correct.sum(1).long().tolist()) / max(correct.shape[0], 1))
+
+
 def eval_metrics(batch: ScoredBatch) -> Dict[str, float]:
     """avg@k (mean accuracy over k samples) and pass@k (any of k correct), k = ``batch.n``."""
     k = batch.n
     correct = torch.tensor([s > 0 for s in batch.scores], dtype=torch.float64).view(len(batch.prompts), k)
-    return {f"eval/avg@{k}": float(correct.mean()), f"eval/pass@{k}": float(correct.max(1).values.mean()),
+    # With many samples (>= 16), also pass@j for j = 2, 4, ... < k (the unbiased estimator
+    # 1 - C(k-c, j) / C(k, j) per prompt): a pass@k curve. Small evals keep their two numbers.
+    ladder = {f"eval/pass@{j}": pass_at_j(correct, j) for j in (2 ** i for i in range(1, 10)) if k >= 16 and j < k}
+    return {**ladder, f"eval/avg@{k}": float(correct.mean()), f"eval/pass@{k}": float(correct.max(1).values.mean()),
             "eval/response_len_mean": float(sum(model_tokens(r) for r in batch.results)
                                             / max(len(batch.results), 1))}

@@ -11,6 +11,7 @@
 # Usage: scripts/demo.sh [--out runs/demo] [--seed 0] [--steps 250] [--target-ratio 0.35] [--quick] [a.b=c ...]
 #   scripts/demo.sh --study    the entropy study instead (every method x 3 seeds; docs/study.md;
 #                              python -m megatron_stare.demo.study; about 2 hours, resumable)
+#   scripts/demo.sh --study --task hop_path   study v2 (docs/study.md, "Study v2"; scripts/study_v2.sh)
 # Environment: VENV (.venv), NO_VLLM=1 to bootstrap without vLLM (the demo does not use it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

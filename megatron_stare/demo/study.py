@@ -1,8 +1,15 @@
 """The entropy study: every method from the same warm start, through the real trainer, over seeds.
 
-``python -m megatron_stare.demo.study [--out runs/study] [--seeds 0 1 2] [--jobs 2] [--quick]``
+``python -m megatron_stare.demo.study [--task pick_sum|sum_steps] [--out DIR] [--seeds 0 1 2] [--jobs 2] [--quick]``
 ``python -m megatron_stare.demo.study --tune shared|methods``       (seed 0 only; docs/study.md)
 ``python -m megatron_stare.demo.study --report-only``                (rebuild table and figures)
+``python -m megatron_stare.demo.study --task sum_steps --validate``  (the warm starts' task validity only)
+
+``--task`` (``study_tasks``): ``pick_sum`` (study v1, the default) or ``sum_steps`` (study v2: 16-32
+token scratchpads). A task with a results directory (v2: ``docs/study_v2/results``; with ``--quick``
+``<out>/results``) records each finished (seed, method) run there as one JSON (``study_results``),
+skips the runs recorded there, and builds its report from those files alone: the study resumes
+across sessions. Its warm start's validity (``study_validate``) is measured before any method runs.
 
 Per seed k (``<out>/seed<k>``): a tiny Qwen2-style model (``base``), the ``pick_sum`` task's data
 (``data``: warm-start rows, RL prompts, held-out prompts never seen in training), a supervised warm
@@ -33,9 +40,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron_stare.demo import study_methods as sm
+from megatron_stare.demo import study_results as sr
+from megatron_stare.demo.study_tasks import TASKS, StudyTask
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "study_cpu.yaml"
+CONFIG = TASKS["pick_sum"].config
 
 
 @dataclass
@@ -58,6 +67,25 @@ class StudySettings:
     methods: List[str] = field(default_factory=lambda: [m.name for m in sm.METHODS])
     overrides: List[str] = field(default_factory=list)
     """Extra ``a.b=c`` trainer overrides for every run (after the study's own)."""
+    task: str = "pick_sum"
+    """``study_tasks.TASKS`` key."""
+    results: Optional[str] = None
+    """The committed results directory (default: the task's; ``<out>/results`` with ``quick``)."""
+
+
+def task_of(s: StudySettings) -> StudyTask:
+    return TASKS[s.task]
+
+
+def results_dir(s: StudySettings) -> Optional[Path]:
+    """Where finished runs are recorded (``study_results``), or None (v1: ``done.json`` only)."""
+    if task_of(s).results_dir is None:
+        return None
+    return Path(s.results) if s.results else (Path(s.out) / "results" if s.quick else task_of(s).results_dir)
+
+
+#: Study v1's methods (its committed results predate GSPO, CISPO and forking tokens).
+V1_METHODS = [m.name for m in sm.METHODS if m.name not in ("gspo", "cispo", "forking_tokens")]
 
 
 def log(msg: str) -> None:
@@ -73,12 +101,33 @@ def prepare_seed(s: StudySettings, seed: int) -> dict:
     from megatron_stare.demo.warm_start import prepare_warm_start
 
     cached = (seed_dir(s, seed) / "start.json").is_file()
-    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=s.eval_prompts,
-                               stop_accuracy=s.sft_stop_accuracy, log=lambda m: log(f"seed {seed} {m}"))
+    task = task_of(s)
+    stop = s.sft_stop_accuracy if task.name == "pick_sum" else task.stop_accuracy
+    eval_prompts = s.eval_prompts if task.name == "pick_sum" else task.eval_prompts
+    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=eval_prompts,
+                               stop_accuracy=stop, log=lambda m: log(f"seed {seed} {m}"), task=task)
+    if results_dir(s) is not None:
+        start = validate_seed(s, seed, start)
     if not cached:
         log(f"seed {seed} warm start: sampled accuracy {start['accuracy']:.2f}, pass@8 {start['pass@8']:.2f}, "
             f"H0 {start['H0']:.3f} -> target {target_entropy(s, start):.3f} ({s.target_ratio} x H0); held-out "
             f"pass@1 {start['eval_pass@1']:.2f} pass@8 {start['eval_pass@8']:.2f}")
+    return start
+
+
+def validate_seed(s: StudySettings, seed: int, start: dict) -> dict:
+    """The warm start's task validity (``study_validate``; cached in ``start.json``), copied with the
+    start's numbers to the results directory."""
+    from megatron_stare.demo.study_validate import format_validity, validate_checkpoint
+
+    d = seed_dir(s, seed)
+    if "validity" not in start:
+        v = validate_checkpoint(d / "sft", d / "data" / "eval.jsonl", task_of(s), seed=seed,
+                                prompts=16 if s.quick else 64)
+        start = {**start, "validity": v.to_json()}
+        sr.write_json_atomic(d / "start.json", start)
+        log(f"seed {seed} {format_validity(v)}")
+    sr.write_json_atomic(results_dir(s) / f"seed{seed}" / "start.json", start)
     return start
 
 
@@ -111,7 +160,7 @@ def run_dir(s: StudySettings, spec: RunSpec) -> Path:
 
 def trainer_args(s: StudySettings, spec: RunSpec, start: dict) -> List[str]:
     d, rd = seed_dir(s, spec.seed), run_dir(s, spec)
-    steps = 3 if s.quick else s.steps
+    steps = run_steps(s)
     # Only STARE's gate reads the target; other methods run without it, so changing the target
     # ratio re-runs only the STARE runs (the report measures every method against the target).
     target = target_entropy(s, start) if spec.method.startswith("stare") else 0.0
@@ -120,9 +169,29 @@ def trainer_args(s: StudySettings, spec: RunSpec, start: dict) -> List[str]:
           f"algorithm.stare.target_entropy={target:.6f}", f"trainer.total_steps={steps}",
           f"trainer.eval_every={max(1, steps // s.evals)}", f"trainer.seed={spec.seed + 1}", f"data.seed={spec.seed}",
           f"logging.log_every={max(1, steps // 4)}", *spec.overrides]
+    task = task_of(s)
+    if task.name != "pick_sum":  # the v2 config serves every v2 task: its reward and length limit
+        ov += [f"reward.fn={task.name}", f"rollout.max_new_tokens={task.max_new_tokens}"]
+        if spec.method == "dapo":  # overlong shaping over the last quarter of the length limit
+            ov += [f"reward.overlong_buffer_len={task.max_new_tokens // 4}"]
     if s.quick:
         ov += ["trainer.prompts_per_step=4", "rollout.n=4"]
+        if task.name != "pick_sum":  # one evaluation, of 16 samples (still a pass@k ladder)
+            ov += [f"trainer.eval_every={steps}", "rollout.eval_n=16"]
     return ov + list(s.overrides)
+
+
+def run_steps(s: StudySettings) -> int:
+    return 3 if s.quick else s.steps
+
+
+def result_key(s: StudySettings, spec: RunSpec, start: dict) -> str:
+    """What defines a recorded run, without this machine's paths (``study_results``): the task and
+    its settings, the warm start (its H0), the run's overrides and schedule."""
+    target = target_entropy(s, start) if spec.method.startswith("stare") else 0.0
+    return sr.result_key([s.task, json.dumps(task_of(s).kwargs, sort_keys=True), f"{start['H0']:.6f}", str(spec.seed),
+                          str(run_steps(s)), str(s.evals), f"{target:.4f}", str(s.quick), *spec.overrides, "--",
+                          *s.overrides])
 
 
 def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
@@ -130,10 +199,15 @@ def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
     rd = run_dir(s, spec)
     args = trainer_args(s, spec, start)
     done = rd / "done.json"
+    res, key = results_dir(s), result_key(s, spec, start)
+    if res is not None and sr.finished(res, spec.seed, spec.method, key) is not None:
+        return rd
     if done.is_file() and json.loads(done.read_text()).get("args") == args:
+        if res is not None:  # finished here, not yet recorded (a runner killed in between)
+            _record(s, spec, start, rd, key)
         return rd
     rd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_stare.train", "--config", str(CONFIG), *args]
+    cmd = [sys.executable, "-m", "megatron_stare.train", "--config", str(task_of(s).config), *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     log(f"seed {spec.seed} {_name(spec)}: start ({rd.name})")
@@ -146,7 +220,19 @@ def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
     wall = round(time.perf_counter() - t0, 1)
     done.write_text(json.dumps({"args": args, "method": spec.method, "seconds": wall, "stopped": stopped}, indent=2))
     log(f"seed {spec.seed} {_name(spec)}: done in {wall:.0f}s" + (f" (stopped: {stopped})" if stopped else ""))
+    if res is not None:
+        _record(s, spec, start, rd, key)
     return rd
+
+
+def _record(s: StudySettings, spec: RunSpec, start: dict, rd: Path, key: str) -> None:
+    from megatron_stare.metrics import read_metrics
+
+    d = json.loads((rd / "done.json").read_text())
+    path = sr.write_result(results_dir(s), seed=spec.seed, method=spec.method, key=key,
+                           rows=read_metrics(str(rd / "metrics.jsonl")), seconds=d["seconds"], stopped=d.get("stopped"),
+                           target=target_entropy(s, start), steps=run_steps(s), overrides=spec.overrides)
+    log(f"seed {spec.seed} {_name(spec)}: recorded {path}")
 
 
 def ran_dry(rd: Path) -> Optional[str]:
@@ -170,41 +256,66 @@ def run_all(s: StudySettings, specs: Sequence[RunSpec], starts: Dict[int, dict])
 
 
 def study_specs(s: StudySettings) -> List[RunSpec]:
-    return [RunSpec(seed, name, tuple(sm.method_overrides(name))) for seed in s.seeds for name in s.methods]
+    return [RunSpec(seed, name, tuple(task_of(s).method_overrides(name))) for seed in s.seeds for name in s.methods]
 
 
 def _name(spec: RunSpec) -> str:
     return spec.label or spec.method
 
 
-def report(s: StudySettings, starts: Dict[int, dict], runs: Dict[tuple, str], wall_seconds: float) -> dict:
-    """The figures, ``study.md`` and ``study.json`` from finished runs ((seed, method) -> directory)."""
+def report(s: StudySettings, starts: Dict[int, dict], wall_seconds: float) -> dict:
+    """The figures, ``study.md`` and ``study.json`` from the finished runs of ``s``'s seeds and
+    methods: the recorded results (a task with a results directory) or the run directories."""
     from megatron_stare.demo.study_figures import plot_study
     from megatron_stare.demo.study_report import load_runs, write_report
 
-    rows = load_runs(runs)
+    res = results_dir(s)
+    if res is not None:
+        found = sr.load_results(res, list(starts), s.methods)
+        rows = {k: v["rows"] for k, v in found.items()}
+        done = {k: {"seconds": v["seconds"], "stopped": v["stopped"]} for k, v in found.items()}
+    else:
+        runs = {(spec.seed, spec.method): str(run_dir(s, spec)) for spec in study_specs(s)
+                if spec.seed in starts and (run_dir(s, spec) / "done.json").is_file()}
+        rows = load_runs(runs)
+        done = {k: json.loads((Path(d) / "done.json").read_text()) for k, d in runs.items()}
     Path(s.out).mkdir(parents=True, exist_ok=True)
     figs = plot_study(rows, {seed: target_entropy(s, st) for seed, st in starts.items()}, Path(s.out))
-    return write_report(s, starts, rows, runs, figs, wall_seconds=wall_seconds)
+    return write_report(s, starts, rows, done, figs, wall_seconds=wall_seconds)
 
 
 def run_study(s: StudySettings) -> dict:
     t0 = time.perf_counter()
     sm.check_grids()
     starts = {seed: prepare_seed(s, seed) for seed in s.seeds}
-    specs = study_specs(s)
-    dirs = run_all(s, specs, starts)
-    runs = {(spec.seed, spec.method): str(dirs[spec]) for spec in specs}
-    return report(s, starts, runs, wall_seconds=time.perf_counter() - t0)
+    run_all(s, study_specs(s), starts)
+    return report(s, starts, wall_seconds=time.perf_counter() - t0)
 
 
 def rebuild(s: StudySettings) -> dict:
     """The report from the finished runs of ``s``'s seeds and methods (nothing is run)."""
-    starts = {seed: json.loads((seed_dir(s, seed) / "start.json").read_text()) for seed in s.seeds
-              if (seed_dir(s, seed) / "start.json").is_file()}
-    runs = {(spec.seed, spec.method): str(run_dir(s, spec)) for spec in study_specs(s)
-            if spec.seed in starts and (run_dir(s, spec) / "done.json").is_file()}
-    return report(s, starts, runs, wall_seconds=0.0)
+    res = results_dir(s)
+    if res is not None:
+        starts = dict(sr.load_starts(res, s.seeds))
+    else:
+        starts = {seed: json.loads((seed_dir(s, seed) / "start.json").read_text()) for seed in s.seeds
+                  if (seed_dir(s, seed) / "start.json").is_file()}
+    return report(s, starts, wall_seconds=0.0)
+
+
+def validate(s: StudySettings) -> Dict[int, dict]:
+    """Only the warm starts and their task validity (``--validate``), every seed; prints them."""
+    from megatron_stare.demo.study_validate import Validity, format_validity
+
+    out = {}
+    for seed in s.seeds:
+        start = prepare_seed(s, seed)
+        v = start.get("validity")
+        if v is not None:
+            print(f"seed {seed}: " + format_validity(Validity(**{k: x for k, x in v.items() if k != "checks"})),
+                  flush=True)
+        out[seed] = start
+    return out
 
 
 def tuning_specs(s: StudySettings, stage: str) -> List[RunSpec]:
@@ -222,6 +333,9 @@ def tune(s: StudySettings, stage: str) -> dict:
     from megatron_stare.demo import study_report
 
     sm.check_grids()
+    if results_dir(s) is not None:
+        raise SystemExit(f"--tune is study v1's (pick_sum); study v2 ({s.task}) reuses v1's tuned settings "
+                         "(docs/study.md, 'Study v2')")
     starts = {0: prepare_seed(s, 0)}
     specs = tuning_specs(s, stage)
     dirs = run_all(s, specs, starts)
@@ -231,9 +345,11 @@ def tune(s: StudySettings, stage: str) -> dict:
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple:
     ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.study", description=__doc__.split("\n")[0])
     d = StudySettings()
-    ap.add_argument("--out", default=d.out)
+    ap.add_argument("--task", default=d.task, choices=sorted(TASKS), help="pick_sum (v1, default) or sum_steps (v2)")
+    ap.add_argument("--out", default=None, help="default runs/study (pick_sum), runs/study_<task> otherwise")
+    ap.add_argument("--results", default=None, help="results directory of a v2 task (default: the task's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=d.seeds)
-    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the task's)")
     ap.add_argument("--jobs", type=int, default=d.jobs, help="runs side by side (default %(default)s)")
     ap.add_argument("--target-ratio", type=float, default=d.target_ratio)
     ap.add_argument("--methods", nargs="+", default=d.methods, choices=[m.name for m in sm.METHODS])
@@ -242,20 +358,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple:
                     help="run a tuning stage on seed 0 instead of the study: the shared lr/batch grid "
                          "(GRPO), then each method's own grid")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs; run nothing")
+    ap.add_argument("--validate", action="store_true", help="warm starts and their task validity only")
     ap.add_argument("overrides", nargs="*", help="extra a.b=c trainer overrides for every run")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.target_ratio <= 0 or a.jobs < 1:
+    steps = a.steps if a.steps is not None else TASKS[a.task].default_steps
+    if steps < 1 or a.target_ratio <= 0 or a.jobs < 1:
         ap.error("--steps and --jobs must be >= 1, --target-ratio > 0")
-    s = StudySettings(out=a.out, seeds=list(a.seeds), steps=a.steps, jobs=a.jobs, target_ratio=a.target_ratio,
-                      methods=list(a.methods), quick=a.quick, overrides=list(a.overrides))
-    return s, a.tune, a.report_only
+    out = a.out or (d.out if a.task == "pick_sum" else f"runs/study_{a.task}")
+    methods = list(a.methods) if a.task != "pick_sum" or a.methods != d.methods else V1_METHODS
+    s = StudySettings(out=out, seeds=list(a.seeds), steps=steps, jobs=a.jobs, target_ratio=a.target_ratio,
+                      methods=methods, quick=a.quick, overrides=list(a.overrides), task=a.task, results=a.results,
+                      evals=TASKS[a.task].evals)
+    return s, a.tune, ("validate" if a.validate else "report" if a.report_only else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    s, stage, report_only = parse_args(argv)
-    if stage:
+    s, stage, mode = parse_args(argv)
+    if mode == "validate":
+        validate(s)
+    elif stage:
         tune(s, stage)
-    elif report_only:
+    elif mode == "report":
         rebuild(s)
     else:
         run_study(s)

@@ -23,6 +23,11 @@ FIGURES: Dict[str, Tuple[str, str, bool, bool]] = {
     "pass1": ("eval/avg@8", "held-out pass@1 (mean of 8 samples)", False, False),
     "pass8": ("eval/pass@8", "held-out pass@8", False, False),
     "length": (RESPONSE_LENGTH, "mean response length (tokens)", True, False),
+    # Study v2 (32 samples per held-out prompt) and the quadrant fractions over training:
+    "pass1_32": ("eval/avg@32", "held-out pass@1 (mean of 32 samples)", False, False),
+    "pass32": ("eval/pass@32", "held-out pass@32", False, False),
+    "pos_high": ("dynamics/frac_pos_high", "share of A!=0 tokens with A>0 and surprisal > H (raises H)", True, False),
+    "neg_high": ("dynamics/frac_neg_high", "share of A!=0 tokens with A<0 and surprisal > H (lowers H)", True, False),
 }
 
 
@@ -58,6 +63,8 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
     paths = []
     methods = [m for m in sm.METHODS if any(name == m.name for _, name in rows)]
     for stem, (key, title, per_step, by_target) in FIGURES.items():
+        if not any(key in r for rs in rows.values() for r in rs):
+            continue  # a metric these runs do not log (v1 has no pass@32)
         fig, ax = _figure(title)
         for i, m in enumerate(methods):
             runs = [(seed, rs) for (seed, name), rs in rows.items() if name == m.name]
@@ -88,7 +95,56 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
         fig.savefig(path)
         paths.append(str(path))
     paths.append(_plot_theory(rows, methods, out))
+    if any("eval/pass@32" in r for rs in rows.values() for r in rs):
+        paths.append(_plot_pass_at_k(rows, methods, out))
+        paths.append(_plot_by_tokens(rows, methods, out))
     return paths
+
+
+def _plot_pass_at_k(rows, methods, out: Path) -> str:
+    """pass@k against k (1..32, log scale) at each run's last evaluation, mean over seeds."""
+    fig, ax = _figure("held-out pass@k at the last evaluation (mean over seeds)")
+    for i, m in enumerate(methods):
+        curves = []
+        for (seed, name), rs in rows.items():
+            last = next((r for r in reversed(rs) if "eval/pass@32" in r), None)
+            if name == m.name and last is not None:
+                ks = sorted(int(k.split("@")[1]) for k in last if k.startswith("eval/pass@"))
+                curves.append({k: float(last["eval/avg@32"] if k == 1 else last[f"eval/pass@{k}"])
+                               for k in [1, *ks]})
+        if curves:
+            ks = sorted(set.intersection(*(set(c) for c in curves)))
+            ax.plot(ks, [sum(c[k] for c in curves) / len(curves) for k in ks], "-o" if m.name.startswith("stare")
+                    else "--o", color=f"C{i}", ms=3, lw=2 if m.name.startswith("stare") else 1.2, label=m.label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "fig_pass_at_k.png"
+    fig.savefig(path)
+    return str(path)
+
+
+def _plot_by_tokens(rows, methods, out: Path) -> str:
+    """Training accuracy against the cumulative generated tokens (DAPO at equal rollout work)."""
+    fig, ax = _figure("training accuracy vs generated tokens (one line per seed, smoothed)")
+    for i, m in enumerate(methods):
+        label = m.label  # once per method: one line per seed
+        for (seed, name), rs in sorted(rows.items()):
+            if name != m.name or not rs or "rollout/generated_tokens" not in rs[0]:
+                continue
+            cum, xs = 0.0, []
+            for r in rs:
+                cum += float(r["rollout/generated_tokens"])
+                xs.append(cum)
+            ax.plot(xs, _smooth([float(r[ACCURACY]) for r in rs], SMOOTH), color=f"C{i}", lw=1, alpha=0.8, label=label)
+            label = None
+    ax.set_xlabel("generated tokens (cumulative, every rollout batch)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "fig_accuracy_by_tokens.png"
+    fig.savefig(path)
+    return str(path)
 
 
 def _plot_theory(rows, methods, out: Path) -> str:

@@ -45,6 +45,11 @@ METHODS: Tuple[Method, ...] = (
     Method("clip_cov", "Clip-Cov", ("algorithm.policy_loss=clip_cov", *GRPO_CLIP)),
     Method("kl_cov", "KL-Cov", ("algorithm.policy_loss=kl_cov", *GRPO_CLIP)),
     Method("gepo", "GEPO", ("algorithm.policy_loss=vanilla", *GRPO_CLIP, "algorithm.gepo.enable=true")),
+    # The issue-31 baselines (study v2): sequence-level ratio and clip; clipped detached IS weight on
+    # every token; the policy gradient on the top-rho entropy ("forking") tokens of the batch only.
+    Method("gspo", "GSPO", ("algorithm.policy_loss=gspo",)),
+    Method("cispo", "CISPO", ("algorithm.policy_loss=cispo",)),
+    Method("forking_tokens", "Forking tokens", ("algorithm.policy_loss=forking_tokens", *GRPO_CLIP)),
     Method("stare_o1", "STARE O1", ("algorithm.policy_loss=stare", *GRPO_CLIP, "algorithm.stare.variant=O1")),
     Method("stare_c2", "STARE C2", ("algorithm.policy_loss=stare", *GRPO_CLIP, "algorithm.stare.variant=C2")),
 )
@@ -77,6 +82,14 @@ GRIDS: Dict[str, Tuple[Overrides, ...]] = {
     # GEPO: the group-level weights' mixing (lam_pos = lam_neg) at kappa 1.
     "gepo": tuple((f"algorithm.gepo.lam_pos={lam}", f"algorithm.gepo.lam_neg={lam}", "algorithm.gepo.kappa=1")
                   for lam in ("0.5", "0.9")),
+    # GSPO: its paper's (3e-4, 4e-4) on the geometric-mean sequence ratio, and 10x wider.
+    "gspo": tuple((f"algorithm.gspo.clip_ratio_low={lo}", f"algorithm.gspo.clip_ratio_high={hi}")
+                  for lo, hi in (("3e-4", "4e-4"), ("3e-3", "4e-3"))),
+    # CISPO: MiniMax-M1's upper bound on the detached weight, and a wider one.
+    "cispo": tuple((f"algorithm.cispo.clip_ratio_high={e}",) for e in ("0.28", "1.0")),
+    # Forking tokens: the paper's rho 0.2 with each normaliser (all valid tokens: its form; the kept ones).
+    "forking_tokens": tuple(("algorithm.forking_tokens.rho=0.2", f"algorithm.forking_tokens.normalizer={n}")
+                            for n in ("all", "selected")),
     # STARE: the adaptive closed loop (W up / M down by alpha per step while entropy is below the
     # target, back when above), the variant that aims at the band, with two caps on W (and M).
     "stare_o1": (("algorithm.stare.top_p=0.2", *_ADAPTIVE, "algorithm.stare.w_max=10"),
@@ -88,7 +101,9 @@ GRID_SIZE = 2
 
 #: The winners of step 2 (docs/study.md, "Tuning"): index into GRIDS[method].
 CHOSEN: Dict[str, int] = {"grpo": 0, "dapo": 0, "entropy_bonus": 0, "clip_cov": 1, "kl_cov": 1, "gepo": 1,
-                          "stare_o1": 0, "stare_c2": 0}
+                          "stare_o1": 0, "stare_c2": 0,
+                          # Not tuned (study v2 cut its tuning to fit; docs/study.md): the papers' point.
+                          "gspo": 0, "cispo": 0, "forking_tokens": 0}
 
 
 def method_overrides(name: str, knobs: Optional[Overrides] = None, shared: Overrides = SHARED) -> List[str]:

@@ -7,7 +7,11 @@ Definitions (docs/study.md):
   which STARE's gate first fires; the same rule for every method) to the end, the fraction whose
   entropy is within 0.7-1.3x the target. ``nan`` if entropy never fell below the target.
 - **pass@1 / pass@8**: held-out prompts, 8 samples each at temperature 1 (``eval/avg@8``,
-  ``eval/pass@8``), averaged over the evaluations of the last quarter of the run.
+  ``eval/pass@8``), averaged over the evaluations of the last quarter of the run. Study v2 samples
+  32 per prompt: pass@1 is ``eval/avg@32``, pass@8 the unbiased estimate from the 32, and
+  **pass@32** (``eval/pass@32``) is the pass@k of its goal; v1's goal uses pass@8.
+- **DAPO at equal generated tokens**: DAPO's numbers at the last step whose cumulative generated
+  tokens (``rollout/generated_tokens``, every rollout batch it drew) do not exceed GRPO's total.
 - **theory check**: Pearson correlation between the logged predicted entropy change of step t
   (``dynamics/pred_dH``, first order, per unit step size) and the measured one, H(t+1) - H(t);
   per step, and over non-overlapping windows of ``WINDOW`` steps (sum of predictions vs change
@@ -20,7 +24,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_stare.demo import study_methods as sm
 from megatron_stare.metrics import ACCURACY, ENTROPY, GATE, RESPONSE_LENGTH, read_metrics
@@ -28,9 +32,10 @@ from megatron_stare.metrics import ACCURACY, ENTROPY, GATE, RESPONSE_LENGTH, rea
 BAND = (0.7, 1.3)
 WINDOW = 10
 QUADRANTS = ("frac_pos_high", "frac_pos_low", "frac_neg_high", "frac_neg_low")
-PASS1, PASS8 = "eval/avg@8", "eval/pass@8"
+PASS1, PASS8, PASS32 = "eval/avg@8", "eval/pass@8", "eval/pass@32"
 COLUMNS = (("final_ratio", "H final / target", "{:.2f}"), ("in_band", "in band after gate", "{:.2f}"),
            ("train_acc", "train acc", "{:.3f}"), ("pass1", "pass@1", "{:.3f}"), ("pass8", "pass@8", "{:.3f}"),
+           ("pass32", "pass@32", "{:.3f}"),
            ("length", "resp. len", "{:.2f}"), ("corr_step", "corr(pred, dH) step", "{:.2f}"),
            ("corr_window", f"corr {WINDOW}-step", "{:.2f}"))
 
@@ -69,7 +74,9 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
     first = gate[0] if gate else (below[0] if below else None)
     after = ent[first:] if first is not None else []
     lo, hi = BAND[0] * target, BAND[1] * target
-    evals = [(r["step"], float(r[PASS1]), float(r[PASS8])) for r in rows if PASS1 in r]
+    p1 = next((k for r in rows for k in r if k.startswith("eval/avg@")), PASS1)
+    evals = [(r["step"], float(r[p1]), float(r.get(PASS8, math.nan)), float(r.get(PASS32, math.nan)))
+             for r in rows if p1 in r]
     last_step = rows[-1]["step"] if rows else 0
     late = [e for e in evals if e[0] > 0.75 * last_step] or evals[-1:]
     out = {
@@ -81,6 +88,8 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
         "train_acc": _mean([float(r[ACCURACY]) for r in rows[-tail:]]),
         "pass1": _mean([e[1] for e in late]),
         "pass8": _mean([e[2] for e in late]),
+        "pass32": _mean([e[3] for e in late]),
+        "gen_tokens": sum(float(r.get("rollout/generated_tokens", math.nan)) for r in rows),
         "length": _mean([float(r[RESPONSE_LENGTH]) for r in rows[-tail:]]),
         "corr_step": pearson(*theory_pairs(rows, 1)),
         "corr_window": pearson(*theory_pairs(rows, WINDOW)),
@@ -90,7 +99,25 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
     for q in QUADRANTS:
         out[q] = _mean([float(r.get(f"dynamics/{q}", math.nan)) for r in rows])
     out["pred_dH_mean"] = _mean([float(r.get("dynamics/pred_dH", math.nan)) for r in rows])
+    out["passk"] = out["pass8"] if math.isnan(out["pass32"]) else out["pass32"]
     return out
+
+
+def equal_tokens(dapo: Sequence[dict], grpo: Sequence[dict], target: float) -> Optional[dict]:
+    """DAPO's run cut at GRPO's total generated tokens: ``summarize_run`` of the steps whose
+    cumulative tokens stay within it (None without token counts)."""
+    if not dapo or not grpo or "rollout/generated_tokens" not in dapo[0]:
+        return None
+    budget = sum(float(r["rollout/generated_tokens"]) for r in grpo)
+    cum, cut = 0.0, 0
+    for i, r in enumerate(dapo):
+        cum += float(r["rollout/generated_tokens"])
+        if cum > budget:
+            break
+        cut = i + 1
+    if cut == 0:
+        return None
+    return {**summarize_run(dapo[:cut], target), "budget_tokens": budget}
 
 
 def goals(per_method: Mapping[str, dict]) -> Dict[str, Dict[str, bool]]:
@@ -108,7 +135,7 @@ def goals(per_method: Mapping[str, dict]) -> Dict[str, Dict[str, bool]]:
             "grpo_collapses": bool(g is not None and g["final_ratio"] < 0.5),
             "stare_holds": bool(s["in_band"] >= 0.8),
             "acc_at_least": all(s["train_acc"] >= r["train_acc"] for r in refs),
-            "pass8_higher": all(s["pass8"] > r["pass8"] for r in refs),
+            "pass8_higher": all(s.get("passk", s["pass8"]) > r.get("passk", r["pass8"]) for r in refs),
         }
     return out
 
@@ -140,14 +167,14 @@ def table_md(summaries: Mapping[int, Mapping[str, dict]], starts: Mapping[int, d
 def goals_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
     keys = ("grpo_collapses", "stare_holds", "acc_at_least", "pass8_higher")
     lines = ["| seed | STARE variant | GRPO < 0.5x target | STARE >= 80% in band | acc >= GRPO, DAPO "
-             "| pass@8 > GRPO, DAPO |", "|---|---|---|---|---|---|"]
+             "| pass@k > GRPO, DAPO (k = 32 in v2, 8 in v1) |", "|---|---|---|---|---|---|"]
     per_seed = {seed: goals(per) for seed, per in summaries.items()}
     for seed, gs in per_seed.items():
         for name, g in gs.items():
             lines.append(f"| {seed} | {sm.BY_NAME[name].label} | " + " | ".join("yes" if g[k] else "no" for k in keys) + " |")
     if len(summaries) > 1:
         mean = {name: {k: _mean([per[name][k] for per in summaries.values() if name in per])
-                       for k in ("final_ratio", "in_band", "train_acc", "pass8")}
+                       for k in ("final_ratio", "in_band", "train_acc", "pass8", "passk")}
                 for name in {n for per in summaries.values() for n in per}}
         for name, g in goals(mean).items():
             lines.append(f"| mean | {sm.BY_NAME[name].label} | " + " | ".join("yes" if g[k] else "no" for k in keys) + " |")
@@ -176,26 +203,45 @@ def load_runs(runs: Mapping[Tuple[int, str], str]) -> Dict[Tuple[int, str], List
     return {k: read_metrics(str(Path(d) / "metrics.jsonl")) for k, d in runs.items()}
 
 
+def _validity_md(start: dict) -> str:
+    """The warm start's task validity (``study_validate``), if measured."""
+    v = start.get("validity")
+    if not v:
+        return ""
+    top = str(v["samples"])
+    return (f"; validity: pass@{top} {v['pass_at'][top]:.3f}, A>0 & s>H {v['frac_pos_high']:.3f} of all tokens "
+            f"({v['frac_pos_high_of_nonzero']:.3f} of A!=0), mean length {v['mean_length']:.1f} ("
+            + ", ".join(f"{name}: {'holds' if ok else 'fails'}" for name, ok in v["checks"].items()) + ")")
+
+
 def write_report(s, starts: Mapping[int, dict], rows: Mapping[Tuple[int, str], List[dict]],
-                 runs: Mapping[Tuple[int, str], str], figs: Sequence[str], wall_seconds: float) -> dict:
+                 done: Mapping[Tuple[int, str], dict], figs: Sequence[str], wall_seconds: float) -> dict:
     """``study.md`` and ``study.json`` under ``s.out``; prints the report. ``rows``: (seed, method)
-    -> metrics rows of the run in directory ``runs[(seed, method)]``; ``figs``: the figures' paths."""
+    -> metrics rows of its run; ``done``: (seed, method) -> its ``seconds`` and ``stopped``; ``figs``:
+    the figures' paths."""
     summaries: Dict[int, Dict[str, dict]] = {}
     for (seed, name), rs in rows.items():
         summaries.setdefault(seed, {})[name] = summarize_run(rs, s.target_ratio * starts[seed]["H0"])
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
-    done = {(seed, name): json.loads((Path(d) / "done.json").read_text())
-            for (seed, name), d in runs.items() if (Path(d) / "done.json").is_file()}
     run_seconds = {f"{seed}/{name}": v.get("seconds") for (seed, name), v in done.items()}
     stopped = "".join(f"- seed {seed} {sm.BY_NAME[name].label} stopped early ({v['stopped']}): its numbers are "
                       f"those of the steps it ran.\n" for (seed, name), v in done.items() if v.get("stopped"))
     starts_md = "\n".join(f"- seed {k}: H0 {v['H0']:.3f}, target {s.target_ratio * v['H0']:.3f} ({s.target_ratio} x H0), "
                           f"warm-start accuracy {v['accuracy']:.2f} (pass@8 {v['pass@8']:.2f}), held-out pass@1 "
-                          f"{v['eval_pass@1']:.2f} pass@8 {v['eval_pass@8']:.2f}" for k, v in starts.items())
+                          f"{v['eval_pass@1']:.2f} pass@8 {v['eval_pass@8']:.2f}" + _validity_md(v) for k, v in starts.items())
+    eq = []
+    for seed in summaries:
+        e = equal_tokens(rows.get((seed, "dapo"), []), rows.get((seed, "grpo"), []),
+                         s.target_ratio * starts[seed]["H0"])
+        if e is not None:
+            eq.append(f"| {seed} | {e['steps']} | {e['budget_tokens']:.0f} | {_fmt(e['final_ratio'], '{:.2f}')} | "
+                      f"{e['train_acc']:.3f} | {_fmt(e['pass1'], '{:.3f}')} | {_fmt(e['passk'], '{:.3f}')} |")
+    eq_md = ("## DAPO at equal generated tokens (GRPO's total)\n\n| seed | DAPO steps | tokens | H final / target "
+             "| train acc | pass@1 | pass@k |\n|---|---|---|---|---|---|---|\n" + "\n".join(eq) + "\n\n") if eq else ""
     md = (f"# Entropy study ({len(starts)} seed(s), {s.steps if not s.quick else 3} steps per run)\n\n"
           f"Warm starts:\n{starts_md}\n\n## Table\n\n{table_md(summaries, starts)}\n\n{stopped}\n## Goals\n\n"
-          f"{goals_md(summaries)}\n\n## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
+          f"{goals_md(summaries)}\n\n{eq_md}## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
           f"Wall time: {wall_seconds / 60:.1f} min for this invocation (runs already done are not re-run).\n")
     (out / "study.md").write_text(md)
     report = {"starts": {str(k): v for k, v in starts.items()},

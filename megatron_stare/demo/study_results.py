@@ -1,0 +1,85 @@
+"""Study v2's committed results: one JSON per finished (seed, method) run, written atomically.
+
+The run directories (``<out>/seed<k>/runs/...``: logs, full metrics) are not committed; a
+finished run's result is, so the study resumes across sessions and machines: the runner skips a
+(seed, method) whose result file exists with the same ``key`` (a hash of everything that defines
+the run: its overrides, steps, evaluation schedule, target), and the report is rebuilt from the
+result files alone. A result file is written to ``<name>.json.tmp`` and renamed (atomic on one
+file system), so a killed runner leaves either the whole file or none.
+
+Layout: ``<results>/seed<k>/<method>.json`` (``RunResult``) and ``<results>/seed<k>/start.json``
+(the warm start's numbers and its validity measurement).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+#: The metrics a result keeps per step (the report's inputs); the rest stays in the run directory.
+KEEP_PREFIXES = ("stare/entropy", "stare/gate", "stare/w", "stare/m", "reward/accuracy", "response/mean_length",
+                 "response/truncated_frac", "rollout/gen_batches", "rollout/generated_tokens", "dynamics/", "eval/")
+
+
+def result_key(parts: Sequence[str]) -> str:
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def _round(v):
+    return float(f"{v:.6g}") if isinstance(v, float) else v
+
+
+def compact_rows(rows: Sequence[dict]) -> List[dict]:
+    """``rows`` with only ``KEEP_PREFIXES`` metrics (and ``step``), floats to 6 significant digits."""
+    return [{k: _round(v) for k, v in r.items() if k == "step" or k.startswith(KEEP_PREFIXES)} for r in rows]
+
+
+def write_json_atomic(path: Path, obj: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def result_path(results: Path, seed: int, method: str) -> Path:
+    return Path(results) / f"seed{seed}" / f"{method}.json"
+
+
+def finished(results: Path, seed: int, method: str, key: str) -> Optional[dict]:
+    """The committed result of (seed, method) if its key matches, else None (to be run)."""
+    p = result_path(results, seed, method)
+    if not p.is_file():
+        return None
+    r = json.loads(p.read_text())
+    return r if r.get("key") == key else None
+
+
+def write_result(results: Path, *, seed: int, method: str, key: str, rows: Sequence[dict], seconds: float,
+                 stopped: Optional[str], target: float, steps: int, overrides: Sequence[str]) -> Path:
+    return write_json_atomic(result_path(results, seed, method), {
+        "seed": seed, "method": method, "key": key, "seconds": seconds, "stopped": stopped, "target": target,
+        "steps": steps, "overrides": list(overrides), "rows": compact_rows(rows)})
+
+
+def load_results(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> Dict[Tuple[int, str], dict]:
+    """Every committed (seed, method) result among ``seeds`` x ``methods`` (whatever its key)."""
+    out = {}
+    for seed in seeds:
+        for m in methods:
+            p = result_path(results, seed, m)
+            if p.is_file():
+                out[(seed, m)] = json.loads(p.read_text())
+    return out
+
+
+def load_starts(results: Path, seeds: Sequence[int]) -> Mapping[int, dict]:
+    return {seed: json.loads((Path(results) / f"seed{seed}" / "start.json").read_text()) for seed in seeds
+            if (Path(results) / f"seed{seed}" / "start.json").is_file()}

@@ -1,0 +1,119 @@
+"""Study v2: its tasks (hop_path, sum_steps), the validity numbers, the committed results, DAPO at
+equal generated tokens, pass@k from 32 samples."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_stare.demo import study_results as sr
+from megatron_stare.demo.study_report import equal_tokens, goals, summarize_run
+from megatron_stare.demo.study_validate import Validity, pass_at_k
+from megatron_stare.generation import pass_at_j
+from megatron_stare.rewards import get_reward_fn, make_task
+from megatron_stare.rewards.hop_path import hop_path_reward, random_path, reachable
+from megatron_stare.rewards.sum_steps import random_solution, scratchpad, sum_steps_reward
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+def test_hop_path_rows_paths_and_reward():
+    rows = make_task("hop_path", 40, seed=1)
+    assert rows == make_task("hop_path", 40, seed=1) and get_reward_fn("hop_path") is hop_path_reward
+    rng = random.Random(0)
+    for r in rows:
+        hops = [int(h) for h in r["hops"].split()]
+        avoid = [int(x) for x in r["avoid"].split()]
+        assert len(set(hops)) == 3 and 15 <= int(r["answer"]) <= 35 and reachable(hops, int(r["answer"]), avoid)[0]
+        assert r["prompt"].endswith(f"avoiding {avoid[0]} {avoid[1]}:") and 0 < avoid[0] < avoid[1] < int(r["answer"])
+        paths = {random_path(r, rng) for _ in range(20)}
+        assert len(paths) > 1  # several correct orders of work
+        assert all(hop_path_reward(p, r["answer"], r) == 1.0 for p in paths)
+        assert not any(str(a) in p.split() for a in avoid for p in paths)
+    row = {"hops": "2 3 5", "avoid": "4 7"}
+    assert hop_path_reward(" 2 5 10", "10", row) == 1.0 and hop_path_reward("3 5 10\n", "10", row) == 1.0
+    for bad in (" 2 5 9", " 2 5 10 12", " 2 5", " 1 3 10", " 2,5,10", "", " 5 10 10", " 2 5 10.", "x",
+                " 2 4 5 10", " 5 7 10"):  # the last two step on an avoided position
+        assert hop_path_reward(bad, "10", row) == 0.0, bad
+    assert hop_path_reward(" 2 5 10", "10", {}) == 0.0
+    # Hops 4 and 5 to 11 avoiding 7: from 6 (+5), 2 (+4 to 6), 1 (+5 to 6); 0, 3, 4, 5 lead only to dead ends.
+    ok = reachable([4, 5], 11, avoid=[7])
+    assert [p for p in range(12) if ok[p]] == [1, 2, 6, 11]
+
+
+def test_sum_steps_rows_solutions_and_reward():
+    rows = make_task("sum_steps", 30, seed=2)
+    rng = random.Random(0)
+    for r in rows:
+        k = int(r["terms"])
+        for sub in r["subsets"].split("|"):
+            assert sum(map(int, sub.split())) == int(r["answer"]) and len(sub.split()) == k
+        sols = {random_solution(r, rng) for _ in range(20)}
+        assert len(sols) > 1 and all(sum_steps_reward(x, r["answer"], r) == 1.0 for x in sols)
+    assert scratchpad([7, 5, 2, 6]) == "7+5=12 12+2=14 14+6=20"
+    row = {"digits": "1 2 5 6 7 8 9 3", "terms": "4"}
+    assert sum_steps_reward(" 7+5=12 12+2=14 14+6=20", "20", row) == 1.0
+    for bad in (" 7+5=12 12+2=14 14+6=21", " 7+5=12 12+2=15 15+5=20", " 7+5=12 13+2=15 15+5=20",
+                " 7+5=12 12+8=20", " 7+5=12 12+2=14 14+6=20 20+1=21", " 4+5=9 9+2=11 11+9=20", "7+5=12,"):
+        assert sum_steps_reward(bad, "20", row) == 0.0, bad
+
+
+# ------------------------------------------------------------------------------------------------ pass@k
+def test_pass_at_k_estimator_hand_cases():
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 4, 1) == 1.0 and pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2) / C(4,2)
+    assert pass_at_k(32, 1, 1) == pytest.approx(1 / 32)
+    correct = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    assert pass_at_j(correct, 2) == pytest.approx((0.5 + (1 - 1 / 6) + 0.0) / 3)
+    assert pass_at_j(correct, 4) == pytest.approx(2 / 3)  # = any correct
+
+
+def test_validity_checks_name_their_thresholds():
+    v = Validity(prompts=4, samples=32, pass_at={"1": 0.2, "32": 0.85}, frac_pos_high=0.06,
+                 frac_pos_high_of_nonzero=0.08, mean_length=25.0, entropy=0.4, accuracy=0.2)
+    assert all(v.checks().values()) and json.loads(json.dumps(v.to_json()))["checks"] == v.checks()
+    v.pass_at["32"], v.mean_length = 0.95, 12.0
+    assert [ok for ok in v.checks().values()] == [False, True, False]
+
+
+# ------------------------------------------------------------------------------------------------ results
+def test_results_are_written_atomically_and_matched_by_key(tmp_path):
+    rows = [{"step": 1, "stare/entropy": 0.123456789, "perf/step_s": 3.0, "eval/pass@32": 0.5}]
+    p = sr.write_result(tmp_path, seed=0, method="grpo", key="k1", rows=rows, seconds=1.5, stopped=None,
+                        target=0.1, steps=1, overrides=["a=1"])
+    assert p == tmp_path / "seed0" / "grpo.json" and not list(tmp_path.rglob("*.tmp"))
+    r = sr.finished(tmp_path, 0, "grpo", "k1")
+    assert r["rows"] == [{"step": 1, "stare/entropy": 0.123457, "eval/pass@32": 0.5}]  # perf/ dropped, rounded
+    assert sr.finished(tmp_path, 0, "grpo", "k2") is None and sr.finished(tmp_path, 1, "grpo", "k1") is None
+    assert set(sr.load_results(tmp_path, [0, 1], ["grpo", "dapo"])) == {(0, "grpo")}
+    assert sr.result_key(["a", "b"]) != sr.result_key(["a", "c"])
+
+
+def _rows(n, tokens, acc=0.5, ent=0.3, evals=None):
+    rows = []
+    for i in range(n):
+        r = {"step": i + 1, "stare/entropy": ent, "reward/accuracy": acc, "response/mean_length": 25.0,
+             "rollout/generated_tokens": tokens}
+        if evals and i + 1 in evals:
+            r["eval/avg@32"], r["eval/pass@8"], r["eval/pass@32"] = evals[i + 1]
+        rows.append(r)
+    return rows
+
+
+def test_summary_reads_32_sample_evals_and_goal_uses_pass32():
+    r = summarize_run(_rows(8, 100.0, evals={8: (0.2, 0.5, 0.7)}), target=0.3)
+    assert (r["pass1"], r["pass8"], r["pass32"], r["passk"]) == (0.2, 0.5, 0.7, 0.7) and r["gen_tokens"] == 800
+    g = {"final_ratio": 0.4, "in_band": 0.5, "train_acc": 0.5, "pass8": 0.9, "passk": 0.6}
+    s = {"final_ratio": 1.0, "in_band": 0.9, "train_acc": 0.5, "pass8": 0.1, "passk": 0.7}
+    assert goals({"grpo": g, "dapo": dict(g), "stare_c2": s})["stare_c2"]["pass8_higher"] is True
+
+
+def test_dapo_cut_at_grpos_generated_tokens():
+    grpo = _rows(10, 100.0)                                       # 1000 tokens in all
+    dapo = _rows(10, 300.0, acc=0.9, evals={2: (0.3, 0.4, 0.5), 6: (0.6, 0.7, 0.8)})  # 3x per step
+    e = equal_tokens(dapo, grpo, target=0.3)
+    assert e["steps"] == 3 and e["budget_tokens"] == 1000          # 900 <= 1000 < 1200
+    assert e["passk"] == 0.5 and e["train_acc"] == pytest.approx(0.9)
+    assert equal_tokens(_rows(3, 2000.0), grpo, 0.3) is None        # DAPO's first step alone is over
+    assert math.isnan(summarize_run(grpo, 0.3)["pass32"])

@@ -10,21 +10,10 @@ import time
 
 import pytest
 
-from tests.e2e.test_train_resume import ROOT, _complete, _finish, _overrides, _popen, _steps
+# The same tiny model and data as the trainer's e2e tests (a fixture of this module's own).
+from tests.e2e.test_train_resume import ROOT, _complete, _finish, _overrides, _popen, _steps, assets  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from megatron_stare.rewards.synthetic import make_task, write_jsonl
-    from megatron_stare.testing.hf_models import build_tiny_hf_model
-
-    d = tmp_path_factory.mktemp("launch")
-    build_tiny_hf_model("qwen2", d / "model", num_layers=2)
-    write_jsonl(make_task("add", 32, seed=0, digits=1), d / "train.jsonl")
-    write_jsonl(make_task("add", 4, seed=1, digits=1), d / "eval.jsonl")
-    return d
 
 
 def test_ctrl_c_on_a_launch_script_is_one_line_and_exit_130(assets, tmp_path):

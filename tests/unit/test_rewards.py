@@ -39,7 +39,7 @@ def test_registry_names_and_dotted_paths():
     ("json:nope", "reward.fn: cannot import 'json:nope' (json has no attribute 'nope')"),
     ("json.nope", "reward.fn: cannot import 'json.nope' (json has no attribute 'nope')"),
     ("os:sep", "reward.fn: 'os:sep' is not callable (it is a str)"),
-    ("mathh", "reward.fn: unknown reward 'mathh'; registered: exact_match, math, pick_sum"),
+    ("mathh", "reward.fn: unknown reward 'mathh'; registered: exact_match, hop_path, math, pick_sum, sum_steps"),
     (":f", "reward.fn: ':f' is not of the form 'pkg.module:function'"),
 ])
 def test_registry_errors_are_one_line(spec, msg):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 # The same tiny model and data as the trainer's e2e tests (a fixture of this module's own).
-from tests.e2e.test_train_resume import ROOT, _complete, _finish, _overrides, _popen, _steps, assets  # noqa: F401
+from tests.e2e.harness import ROOT, _complete, _finish, _overrides, _popen, _steps, assets  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

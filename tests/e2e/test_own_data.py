@@ -21,7 +21,7 @@ from megatron_stare.config import DataConfig
 from megatron_stare.data import load_prompts
 from megatron_stare.data.prepare import main as prepare_main
 from megatron_stare.metrics import read_metrics
-from tests.e2e.test_train_resume import _finish, _popen
+from tests.e2e.harness import _finish, _popen
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_stare.metrics import read_metrics
-from tests.e2e.test_train_resume import _comparable, _finish, _popen
+from tests.e2e.harness import _comparable, _finish, _popen
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20

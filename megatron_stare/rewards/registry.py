@@ -59,7 +59,21 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 # ------------------------------------------------------------------------------------------------
 # The deadline: a wall-clock limit on one reward call, in the calling (main) thread.
+#: seconds between re-fires once a deadline has expired (see ``_on_deadline``).
+_REFIRE_S = 0.05
+
+
+class _Armed:
+    """Whether one of our deadlines is armed; the handler reads it (set and cleared in ``deadline``)."""
+    on = False
+
+
 def _on_deadline(signum, frame):
+    if not _Armed.on:  # fired between the block's end and the timer's reset: nothing to interrupt
+        return
+    # Re-fire until the block ends: a raise that lands inside a ``__del__`` or a weakref callback is
+    # printed and dropped by the interpreter ("Exception ignored in ..."), which would lose the deadline.
+    signal.setitimer(signal.ITIMER_REAL, _REFIRE_S)
     raise RewardTimeout("reward call exceeded its deadline")
 
 
@@ -79,15 +93,19 @@ def deadline(seconds: float) -> Iterator[bool]:
     platforms without ``setitimer``) the block runs without a limit. Nested deadlines: while
     one of ours is armed, an inner ``deadline`` is a no-op (the outermost governs). Python
     code is interrupted between bytecodes; one long C call (e.g. a huge integer power) is not,
-    which is why ``RewardPool`` workers also have a hard kill from the parent.
+    which is why ``RewardPool`` workers also have a hard kill from the parent. An expired
+    deadline re-fires every ``_REFIRE_S`` until the block ends, so a raise the interpreter drops
+    (one landing in a ``__del__`` or a weakref callback during garbage collection) is not lost.
     """
     if not deadline_supported() or signal.getsignal(signal.SIGALRM) is _on_deadline:
         yield False
         return
     old_handler = signal.signal(signal.SIGALRM, _on_deadline)
+    _Armed.on = True
     signal.setitimer(signal.ITIMER_REAL, max(float(seconds), 1e-3))
     try:
         yield True
     finally:
+        _Armed.on = False  # first: a fire from here on returns without raising or re-arming
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)

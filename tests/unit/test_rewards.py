@@ -1,15 +1,18 @@
 """Rewards: registry and dotted paths, math-verify scoring, hostile inputs, the pool, shaping, tasks."""
 
 import json
+import signal
 import time
 
 import pytest
 import torch
 
 from megatron_stare.config import RewardConfig
+from megatron_stare.rewards import registry
 from megatron_stare.rewards import (HARD_KILL_GRACE_S, ExactMatch, MathVerifyReward, RewardError, RewardPool,
                                     exact_match, extract_after_marker, extract_boxed, get_reward_fn, make_task,
                                     math_reward, register_reward, shape_overlong, write_jsonl)
+from megatron_stare.rewards.registry import RewardTimeout, deadline
 
 TIMEOUT = 1.0
 HOSTILE = [
@@ -88,6 +91,24 @@ def test_hostile_inputs_inline_bounded():
             t0 = time.monotonic()
             assert pool.score([text], ["3"]) == [0.0]
             assert time.monotonic() - t0 < 3 * TIMEOUT + 1.0, text[:40]
+
+
+class _SlowFinalizer:
+    def __del__(self):
+        time.sleep(3)  # the deadline fires in here; the interpreter prints its raise and drops it
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_deadline_survives_a_raise_the_interpreter_drops():
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeout):
+        with deadline(0.2):
+            obj = _SlowFinalizer()
+            del obj  # __del__ runs now; its RewardTimeout is "ignored" by the interpreter
+            time.sleep(10)  # without a re-fire, nothing would interrupt this
+    assert time.monotonic() - t0 < 6.0
+    assert signal.getsignal(signal.SIGALRM) is not registry._on_deadline  # the block restored the handler
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # and left no timer armed
 
 
 def test_math_reward_bounds_itself_when_called_directly():

@@ -284,10 +284,28 @@ def report(s: StudySettings, starts: Dict[int, dict], wall_seconds: float) -> di
     return write_report(s, starts, rows, done, figs, wall_seconds=wall_seconds)
 
 
+def recorded_start(s: StudySettings, seed: int) -> Optional[dict]:
+    """The committed ``start.json`` of ``seed`` when every requested method of it is recorded under
+    that start (its H0 is in the key), else None: such a seed needs no warm start on this machine."""
+    res = results_dir(s)
+    start = sr.load_starts(res, [seed]).get(seed) if res is not None else None
+    if start is None or start.get("quick") != s.quick:
+        return None
+    specs = [spec for spec in study_specs(s) if spec.seed == seed]
+    done = all(sr.finished(res, seed, spec.method, result_key(s, spec, start)) is not None for spec in specs)
+    return start if done else None
+
+
 def run_study(s: StudySettings) -> dict:
     t0 = time.perf_counter()
     sm.check_grids()
-    starts = {seed: prepare_seed(s, seed) for seed in s.seeds}
+    starts = {}
+    for seed in s.seeds:
+        starts[seed] = recorded_start(s, seed)
+        if starts[seed] is not None:
+            log(f"seed {seed}: every requested method is recorded; its warm start is not rebuilt")
+        else:
+            starts[seed] = prepare_seed(s, seed)
     run_all(s, study_specs(s), starts)
     return report(s, starts, wall_seconds=time.perf_counter() - t0)
 

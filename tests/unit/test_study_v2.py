@@ -90,6 +90,27 @@ def test_results_are_written_atomically_and_matched_by_key(tmp_path):
     assert sr.result_key(["a", "b"]) != sr.result_key(["a", "c"])
 
 
+def test_a_seed_whose_methods_are_all_recorded_needs_no_warm_start(tmp_path):
+    from megatron_stare.demo import study as st
+
+    s = st.StudySettings(out=str(tmp_path / "out"), seeds=[0], methods=["grpo", "dapo"], task="hop_path",
+                         results=str(tmp_path / "res"))
+    start = {"seed": 0, "quick": False, "task": "hop_path", "H0": 0.4}
+    sr.write_json_atomic(tmp_path / "res" / "seed0" / "start.json", start)
+    specs = st.study_specs(s)
+    for spec in specs[:1]:
+        sr.write_result(tmp_path / "res", seed=0, method=spec.method, key=st.result_key(s, spec, start), rows=[],
+                        seconds=1.0, stopped=None, target=0.14, steps=400, overrides=spec.overrides)
+    assert st.recorded_start(s, 0) is None  # dapo is not recorded: the warm start is needed
+    sr.write_result(tmp_path / "res", seed=0, method="dapo", key="another start's key", rows=[], seconds=1.0,
+                    stopped=None, target=0.14, steps=400, overrides=specs[1].overrides)
+    assert st.recorded_start(s, 0) is None  # recorded, but under another warm start or settings
+    sr.write_result(tmp_path / "res", seed=0, method="dapo", key=st.result_key(s, specs[1], start), rows=[],
+                    seconds=1.0, stopped=None, target=0.14, steps=400, overrides=specs[1].overrides)
+    assert st.recorded_start(s, 0) == start
+    assert st.recorded_start(st.StudySettings(**{**s.__dict__, "steps": 200}), 0) is None  # another schedule
+
+
 def _rows(n, tokens, acc=0.5, ent=0.3, evals=None):
     rows = []
     for i in range(n):

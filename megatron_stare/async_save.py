@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import signal
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -118,6 +119,7 @@ class BackgroundSaves:
         self._finish: Optional[Callable[[Optional[str]], Path]] = None
         self._root: Optional[Path] = None
         self._parts: List[Tuple[Any, Callable[[], Path]]] = []
+        self._writer = None  # this rank's writer process of the save in flight (its exit code)
         if self.enabled:
             atexit.register(self.abort)  # runs before multiprocessing's exit hook joins the writer
 
@@ -133,6 +135,7 @@ class BackgroundSaves:
             self.queue = AsyncCallsQueue(persistent=False)  # a forked writer per save
         self._parts, self._finish, self._root = parts, finish, root
         self.queue.schedule_async_request(merge_requests([r for r, _ in parts], self._finalize))
+        self._writer = getattr(self.queue.async_calls[-1].async_caller, "process", None)
         self.pending = step
 
     def _finalize(self) -> None:
@@ -142,15 +145,34 @@ class BackgroundSaves:
 
         parts, finish, problem = self._parts, self._finish, None
         self._parts, self._finish = [], None
+        killed = self._killed_writer()  # collective, so on every rank whatever fails after it
         try:
             for request, finish_part in parts:
                 for fn in request.finalize_fns:
                     fn()
                 finish_part()
         except SAVE_ERRORS as e:  # megatron raises a worker's failure alike on every rank
-            problem = _cause(e, self._root)
+            problem = killed or _cause(e, self._root)
             _drain_results_queue()
         self.done(finish(problem))
+
+    def _killed_writer(self) -> Optional[str]:
+        """Collective: which rank's writer died before it reported (killed by a signal - the OOM
+        killer's SIGKILL, most often - or exited non-zero), as ``checkpoint.WRITER_DIED`` and the
+        detail, or None. megatron-core sees only an empty results queue on that rank."""
+        import torch.distributed as dist
+
+        from megatron_stare.checkpoint import WRITER_DIED
+
+        code = self._writer.exitcode if self._writer is not None else None
+        self._writer = None
+        codes = [None] * dist.get_world_size()
+        dist.all_gather_object(codes, code)
+        rank, code = next(((r, c) for r, c in enumerate(codes) if c), (None, None))
+        if rank is None:
+            return None
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"{WRITER_DIED}: rank {rank}'s writer process {how} before it finished"
 
     def poll(self) -> None:
         """Collective: finalize the save in flight if every rank's writer is done; else return."""

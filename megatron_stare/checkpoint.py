@@ -217,6 +217,10 @@ def _cause(e: BaseException, root: Optional[Path] = None) -> str:
     return f"{type(e).__name__}: {first}" + (f" ({inner})" if inner else "")
 
 
+#: How a background save's problem starts when a rank's writer process died (``async_save``).
+WRITER_DIED = "background checkpoint writer died"
+
+
 def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> None:
     """Collective: if any rank's save failed, every rank raises one ``CheckpointError`` line
     (rank 0 prints it) naming the directory, the cause, the fix and the checkpoint that stays
@@ -227,6 +231,9 @@ def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> No
         shutil.rmtree(tmp, ignore_errors=True)
     code = next((c for c in _FIXES if f"[Errno {c}]" in first or os.strerror(c) in first), None)
     fix = _FIXES.get(code, "check the file system of checkpoint.dir (or set checkpoint.dir elsewhere)")
+    if first.startswith(WRITER_DIED) or f": {WRITER_DIED}" in first:
+        fix = ("a SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): give the job more host "
+               "memory or set checkpoint.async_save=false")
     previous = list_checkpoints(root)
     kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
     raise CheckpointError(f"checkpoint.dir: saving step {step} into {root} failed ({first}); {fix}, then rerun "

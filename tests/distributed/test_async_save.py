@@ -9,14 +9,19 @@ Megatron's distributed optimizer (the fully-parallel save over DP):
 - never two in flight: a second save finalizes the first before it starts;
 - a write error in a writer worker on one rank (ENOSPC) is one ``CheckpointError`` line on every
   rank at the finalization, naming the cause; the partial directory is removed and the previous
-  checkpoint stays the latest.
+  checkpoint stays the latest;
+- a writer process killed alone (the OOM killer's SIGKILL) takes its file workers with it, and the
+  finalization names that rank's writer and the signal on every rank, without waiting.
 """
 
 import errno
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -29,7 +34,7 @@ def _case(rank, world, root):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_stare import checkpoint_manifest
+    from megatron_stare import checkpoint_manifest, checkpoint_writer
     from megatron_stare.async_save import BackgroundSaves
     from megatron_stare.checkpoint import CheckpointError, latest_complete, load_checkpoint, save_checkpoint
     from megatron_stare.checkpoint_manifest import file_sha256
@@ -95,6 +100,35 @@ def _case(rank, world, root):
     dist.barrier()
     out["left"] = sorted(p.name for p in root.iterdir())
     out["latest_after_error"] = latest_complete(root).name
+
+    # Step 4: rank 1's writer is killed alone mid-write (the OOM killer's pick), its rank lives on.
+    filesystem_async.open = checkpoint_writer._writer_open  # undo step 3's full disk
+    if rank == 1:
+        def slow_open(file, mode="r", *args, **kwargs):
+            f = checkpoint_writer._writer_open(file, mode, *args, **kwargs)
+            if mode == "wb":
+                time.sleep(60)  # a worker with its file open, writing slowly
+            return f
+        filesystem_async.open = slow_open
+    save_checkpoint(root, 4, trainer_state={"step": 4}, background=saves, **kw)
+    helpers = []
+    if rank == 1:
+        writer = psutil.Process(saves.queue.async_calls[0].async_caller.process.pid)
+        time.sleep(2.0)  # its file workers have started and opened their files
+        helpers = [writer] + writer.children(recursive=True)
+        os.kill(writer.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        saves.wait()
+        out["killed_error"] = None
+    except CheckpointError as e:
+        out["killed_error"] = str(e)
+    out["killed_wait_s"] = time.monotonic() - t0
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    out["helpers"], out["helpers_alive"] = len(helpers), [p.pid for p in alive]
+    filesystem_async.open = checkpoint_writer._writer_open
+    dist.barrier()
+    out["latest_after_kill"] = latest_complete(root).name
     return out
 
 
@@ -114,5 +148,12 @@ def test_background_save_is_finalized_hashed_as_written_and_named_on_error(tmp_p
         assert r["pending_after_error"] is None
         assert r["left"] == ["step_00000001", "step_00000002"]
         assert r["latest_after_error"] == "step_00000002"
+        assert r["killed_error"] is not None and r["killed_error"] == results[0]["killed_error"], r["killed_error"]
+        assert "saving step 4" in r["killed_error"], r["killed_error"]
+        assert "rank 1's writer process killed by SIGKILL" in r["killed_error"], r["killed_error"]
+        assert "out-of-memory killer" in r["killed_error"] and "stays the latest" in r["killed_error"]
+        assert r["helpers_alive"] == []  # the killed writer's file workers died with it
+        assert r["killed_wait_s"] < 30 and r["latest_after_kill"] == "step_00000002"
+    assert results[1]["helpers"] >= 2  # the writer and at least one file worker were there to die
     assert results[0]["digests_match"] and len(results[0]["distcp"]) >= 4  # both ranks wrote, 2 files each
     assert any(p.endswith("rank_00000.pt") for p in results[0]["read_back"])  # the small files are read

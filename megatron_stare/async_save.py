@@ -67,9 +67,10 @@ def save_run(trainer, step: int, state: Optional[dict] = None) -> None:
 def _write_all(calls: List[Tuple[Callable, tuple, dict]]) -> None:
     """The writer process: megatron-core's write function of each part, in order (each puts its
     results on megatron-core's results queue, in the same order the finalizers read them)."""
-    from megatron_stare.checkpoint_writer import die_with_parent
+    from megatron_stare.checkpoint_writer import die_with_parent, watch_workers
 
     die_with_parent()
+    watch_workers()
     # Below the trainer, whose next step this write overlaps (its file workers inherit it).
     os.nice(WRITER_NICENESS)
     for fn, args, kwargs in calls:
@@ -91,6 +92,13 @@ def merge_requests(requests: List[Any], finalize: Callable[[], None]):
             args[1] = r.preload_fn()  # the write buckets, on the host
         calls.append((r.async_fn, tuple(args), dict(r.async_fn_kwargs)))
     return AsyncRequest(_write_all if calls else None, (calls,), [finalize])
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _drain_results_queue() -> None:
@@ -163,6 +171,7 @@ class BackgroundSaves:
         import torch.distributed as dist
 
         from megatron_stare.checkpoint import WRITER_DIED
+        from megatron_stare.checkpoint_writer import WORKER_KILLED_EXIT
 
         code = self._writer.exitcode if self._writer is not None else None
         self._writer = None
@@ -171,8 +180,13 @@ class BackgroundSaves:
         rank, code = next(((r, c) for r, c in enumerate(codes) if c), (None, None))
         if rank is None:
             return None
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        return f"{WRITER_DIED}: rank {rank}'s writer process {how} before it finished"
+        if code < 0:
+            who = f"rank {rank}'s writer process was killed by {_signal_name(-code)}"
+        elif WORKER_KILLED_EXIT < code <= WORKER_KILLED_EXIT + 64:
+            who = f"a file worker of rank {rank}'s writer was killed by {_signal_name(code - WORKER_KILLED_EXIT)}"
+        else:
+            who = f"rank {rank}'s writer process exited with code {code}"
+        return f"{WRITER_DIED}: {who} before the write finished"
 
     def poll(self) -> None:
         """Collective: finalize the save in flight if every rank's writer is done; else return."""

@@ -23,6 +23,12 @@ builtin in that module only; ``install()``):
   (``PR_SET_PDEATHSIG``): a rank killed mid-write takes its writer process, and that one its
   workers, down within milliseconds. The parent is the one recorded just before the fork (an
   ``os.register_at_fork`` hook): if it is already gone when the child looks, the child exits.
+- **A file worker killed alone does not hang the save.** megatron-core's writer waits on its
+  workers' results queue with no timeout: a worker the OOM killer took never reports, and the
+  writer (so the rank's finalization) would wait forever. The background writer watches its
+  children (``watch_workers``: ``waitid`` with ``WNOWAIT``, which looks at a dead child without
+  reaping it, so megatron-core's own joins still work) and, on a worker killed by a signal,
+  exits at once with ``WORKER_KILLED_EXIT + signal``: the finalization names it on every rank.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +48,11 @@ from typing import Optional
 HASH_SUFFIX = ".sha256"
 #: Methods a hashed file may be used through without losing track of its bytes.
 _SAFE = frozenset({"tell", "flush", "fileno", "name", "closed", "mode", "writable", "isatty"})
+
+#: A background writer's exit code when one of its file workers was killed: this + the signal.
+WORKER_KILLED_EXIT = 160
+#: How often the background writer looks at its file workers, in seconds.
+WATCH_INTERVAL_S = 0.25
 
 _fork_parent: Optional[int] = None  # the pid that forked this process (set in the parent, inherited)
 _rank_pid: Optional[int] = None  # the process that installed the hooks: never a writer itself
@@ -107,6 +120,39 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if _fork_parent is not None and os.getppid() != _fork_parent:
         os._exit(1)
+
+
+def _killed_child() -> Optional[int]:
+    """The signal that killed a child of this process that is not yet reaped, or None (Linux)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()]
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            return info.si_status
+    return None
+
+
+def watch_workers() -> None:
+    """In a background writer: a daemon thread that ends this process with
+    ``WORKER_KILLED_EXIT + signal`` once one of its file workers is killed (its other workers
+    die with it: ``die_with_parent``). A no-op off Linux."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "waitid"):
+        return
+
+    def watch():
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            sig = _killed_child()
+            if sig is not None:
+                os._exit(WORKER_KILLED_EXIT + sig)
+
+    threading.Thread(target=watch, name="checkpoint-worker-watch", daemon=True).start()
 
 
 def _writer_open(file, mode="r", *args, **kwargs):

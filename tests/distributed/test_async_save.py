@@ -11,7 +11,8 @@ Megatron's distributed optimizer (the fully-parallel save over DP):
   rank at the finalization, naming the cause; the partial directory is removed and the previous
   checkpoint stays the latest;
 - a writer process killed alone (the OOM killer's SIGKILL) takes its file workers with it, and the
-  finalization names that rank's writer and the signal on every rank, without waiting.
+  finalization names that rank's writer and the signal on every rank, without waiting; a file
+  worker killed alone ends its writer (which would wait for it forever) and is named alike.
 """
 
 import errno
@@ -126,9 +127,30 @@ def _case(rank, world, root):
     out["killed_wait_s"] = time.monotonic() - t0
     _, alive = psutil.wait_procs(helpers, timeout=10)
     out["helpers"], out["helpers_alive"] = len(helpers), [p.pid for p in alive]
-    filesystem_async.open = checkpoint_writer._writer_open
     dist.barrier()
     out["latest_after_kill"] = latest_complete(root).name
+
+    # Step 5: one of rank 1's file workers is killed alone; its writer would wait for it forever.
+    save_checkpoint(root, 5, trainer_state={"step": 5}, background=saves, **kw)
+    helpers = []
+    if rank == 1:
+        writer = psutil.Process(saves.queue.async_calls[0].async_caller.process.pid)
+        time.sleep(2.0)
+        helpers = writer.children(recursive=True)
+        os.kill(helpers[0].pid, signal.SIGKILL)
+        helpers.append(writer)
+    t0 = time.monotonic()
+    try:
+        saves.wait()
+        out["worker_error"] = None
+    except CheckpointError as e:
+        out["worker_error"] = str(e)
+    out["worker_wait_s"] = time.monotonic() - t0
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    out["worker_helpers_alive"] = [p.pid for p in alive]
+    filesystem_async.open = checkpoint_writer._writer_open
+    dist.barrier()
+    out["latest_after_worker"] = latest_complete(root).name
     return out
 
 
@@ -150,10 +172,14 @@ def test_background_save_is_finalized_hashed_as_written_and_named_on_error(tmp_p
         assert r["latest_after_error"] == "step_00000002"
         assert r["killed_error"] is not None and r["killed_error"] == results[0]["killed_error"], r["killed_error"]
         assert "saving step 4" in r["killed_error"], r["killed_error"]
-        assert "rank 1's writer process killed by SIGKILL" in r["killed_error"], r["killed_error"]
+        assert "rank 1's writer process was killed by SIGKILL" in r["killed_error"], r["killed_error"]
         assert "out-of-memory killer" in r["killed_error"] and "stays the latest" in r["killed_error"]
         assert r["helpers_alive"] == []  # the killed writer's file workers died with it
         assert r["killed_wait_s"] < 30 and r["latest_after_kill"] == "step_00000002"
+        assert r["worker_error"] is not None and r["worker_error"] == results[0]["worker_error"], r["worker_error"]
+        assert "saving step 5" in r["worker_error"], r["worker_error"]
+        assert "a file worker of rank 1's writer was killed by SIGKILL" in r["worker_error"], r["worker_error"]
+        assert r["worker_wait_s"] < 30 and r["worker_helpers_alive"] == [] and r["latest_after_worker"] == "step_00000002"
     assert results[1]["helpers"] >= 2  # the writer and at least one file worker were there to die
     assert results[0]["digests_match"] and len(results[0]["distcp"]) >= 4  # both ranks wrote, 2 files each
     assert any(p.endswith("rank_00000.pt") for p in results[0]["read_back"])  # the small files are read

@@ -31,6 +31,18 @@ from megatron_stare.testing.distributed import run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
+def _wait_for_error(saves):
+    """(the ``CheckpointError`` line of finalizing the save in flight, or None; seconds it took)."""
+    from megatron_stare.checkpoint import CheckpointError
+
+    t0 = time.monotonic()
+    try:
+        saves.wait()
+        return None, time.monotonic() - t0
+    except CheckpointError as e:
+        return str(e), time.monotonic() - t0
+
+
 def _case(rank, world, root):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -118,13 +130,7 @@ def _case(rank, world, root):
         time.sleep(2.0)  # its file workers have started and opened their files
         helpers = [writer] + writer.children(recursive=True)
         os.kill(writer.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        saves.wait()
-        out["killed_error"] = None
-    except CheckpointError as e:
-        out["killed_error"] = str(e)
-    out["killed_wait_s"] = time.monotonic() - t0
+    out["killed_error"], out["killed_wait_s"] = _wait_for_error(saves)
     _, alive = psutil.wait_procs(helpers, timeout=10)
     out["helpers"], out["helpers_alive"] = len(helpers), [p.pid for p in alive]
     dist.barrier()
@@ -139,13 +145,7 @@ def _case(rank, world, root):
         helpers = writer.children(recursive=True)
         os.kill(helpers[0].pid, signal.SIGKILL)
         helpers.append(writer)
-    t0 = time.monotonic()
-    try:
-        saves.wait()
-        out["worker_error"] = None
-    except CheckpointError as e:
-        out["worker_error"] = str(e)
-    out["worker_wait_s"] = time.monotonic() - t0
+    out["worker_error"], out["worker_wait_s"] = _wait_for_error(saves)
     _, alive = psutil.wait_procs(helpers, timeout=10)
     out["worker_helpers_alive"] = [p.pid for p in alive]
     filesystem_async.open = checkpoint_writer._writer_open

@@ -60,7 +60,15 @@ def test_tool_use_accuracy_rises(uninterrupted):
     first = statistics.fmean(r["reward/accuracy"] for r in rows[:fifth])
     last = statistics.fmean(r["reward/accuracy"] for r in rows[-fifth:])
     assert last > first, [r["reward/accuracy"] for r in rows]
-    assert all(r["stare/gate"] in (0.0, 1.0) and r["grad_norm"] > 0 for r in rows)
+    assert all(r["stare/gate"] in (0.0, 1.0) for r in rows)
+    # A step whose rewards vary has a gradient; one where every response is wrong (or every one
+    # right) has zero advantages, so no policy-gradient loss and no gradient (CI once drew a
+    # step with accuracy 0 on a loaded machine, where the 0.05 s tool deadline also bites more).
+    for r in rows:
+        if 0 < r["reward/accuracy"] < 1:
+            assert r["grad_norm"] > 0, r
+        else:
+            assert r["grad_norm"] == 0 and r["pg_loss_token_mean"] == 0, r
     # The model calls the tool, then answers: two turns, observation tokens not trained on.
     assert all(1.5 < r["multiturn/turns_mean"] <= 2 for r in rows)
     assert all(0 < r["multiturn/trained_token_frac"] < 1 for r in rows)

@@ -231,9 +231,11 @@ def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> No
         shutil.rmtree(tmp, ignore_errors=True)
     code = next((c for c in _FIXES if f"[Errno {c}]" in first or os.strerror(c) in first), None)
     fix = _FIXES.get(code, "check the file system of checkpoint.dir (or set checkpoint.dir elsewhere)")
-    if first.startswith(WRITER_DIED) or f": {WRITER_DIED}" in first:
+    if WRITER_DIED in first and "SIGKILL" in first:
         fix = ("a SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): give the job more host "
                "memory or set checkpoint.async_save=false")
+    elif WRITER_DIED in first:
+        fix = "see the rank's stderr for the writer's own error, or set checkpoint.async_save=false"
     previous = list_checkpoints(root)
     kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
     raise CheckpointError(f"checkpoint.dir: saving step {step} into {root} failed ({first}); {fix}, then rerun "

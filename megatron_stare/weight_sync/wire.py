@@ -35,6 +35,21 @@ __all__ = ["AsyncLink", "Link", "Pending", "broadcast", "broadcast_async", "grou
 Link = Callable[[Tensor], None]
 """Moves one tensor: sends it (sending side) or fills it in place (receiving side)."""
 
+_BACKEND_RELEASE_S = 10.0
+"""How long to wait for gloo's worker thread to drop its reference to a finished transfer's
+tensor. It always does, within microseconds on an idle machine but up to seconds on a loaded
+one (CI's 2 cores running both ranks): a short bound (0.5 s) let a staging buffer look still in
+use, so the next bucket got a fresh one while the old was alive (two buckets of peak memory)."""
+
+
+def _await_backend_release(tensor: Tensor, base: int) -> None:
+    """Block until ``tensor``'s use count is back to ``base`` (CPU), at most ``_BACKEND_RELEASE_S``."""
+    if tensor.device.type != "cpu":
+        return
+    deadline = time.monotonic() + _BACKEND_RELEASE_S
+    while tensor._use_count() > base and time.monotonic() < deadline:
+        time.sleep(0)
+
 
 def broadcast(tensor: Tensor, root: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``tensor`` in place from group rank ``root`` (blocking).
@@ -46,10 +61,7 @@ def broadcast(tensor: Tensor, root: int, group: dist.ProcessGroup) -> None:
     """
     base = tensor._use_count()
     group.broadcast(tensor, root).wait()
-    if tensor.device.type == "cpu":
-        deadline = time.monotonic() + 0.5
-        while tensor._use_count() > base and time.monotonic() < deadline:
-            time.sleep(0)
+    _await_backend_release(tensor, base)
 
 
 class Pending:
@@ -70,10 +82,7 @@ class Pending:
         if self._work is not None:
             self._work.wait()
         self._work = None  # the work object holds the tensor too: drop it before counting
-        if self.tensor.device.type == "cpu":
-            deadline = time.monotonic() + 0.5
-            while self.tensor._use_count() > self._base and time.monotonic() < deadline:
-                time.sleep(0)
+        _await_backend_release(self.tensor, self._base)
         self.tensor = None
 
 

@@ -9,7 +9,9 @@
 token scratchpads). A task with a results directory (v2: ``docs/study_v2/results``; with ``--quick``
 ``<out>/results``) records each finished (seed, method) run there as one JSON (``study_results``),
 skips the runs recorded there, and builds its report from those files alone: the study resumes
-across sessions. Its warm start's validity (``study_validate``) is measured before any method runs.
+across sessions. Its warm start's validity (``study_validate``) is measured before any method runs,
+and the warm start itself is kept there too (``seed<k>/sft``): a session whose seed directory is
+empty restores it instead of rebuilding a start that would differ in its last bits.
 
 Per seed k (``<out>/seed<k>``): a tiny Qwen2-style model (``base``), the ``pick_sum`` task's data
 (``data``: warm-start rows, RL prompts, held-out prompts never seen in training), a supervised warm
@@ -100,19 +102,50 @@ def prepare_seed(s: StudySettings, seed: int) -> dict:
     """Base model, data, warm start and H0 of one seed (``warm_start``; cached in ``start.json``)."""
     from megatron_stare.demo.warm_start import prepare_warm_start
 
-    cached = (seed_dir(s, seed) / "start.json").is_file()
     task = task_of(s)
+    res = results_dir(s)
+    if res is not None and not (seed_dir(s, seed) / "start.json").is_file():
+        restore_start(s, seed)
+    cached = (seed_dir(s, seed) / "start.json").is_file()
     stop = s.sft_stop_accuracy if task.name == "pick_sum" else task.stop_accuracy
-    eval_prompts = s.eval_prompts if task.name == "pick_sum" else task.eval_prompts
-    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=eval_prompts,
+    start = prepare_warm_start(seed_dir(s, seed), seed, quick=s.quick, eval_prompts=_eval_prompts(s),
                                stop_accuracy=stop, log=lambda m: log(f"seed {seed} {m}"), task=task)
-    if results_dir(s) is not None:
+    if res is not None:
         start = validate_seed(s, seed, start)
+        if not (sr.start_checkpoint(res, seed) / "model.safetensors").is_file():
+            sr.keep_start_checkpoint(res, seed, seed_dir(s, seed) / "sft")
     if not cached:
         log(f"seed {seed} warm start: sampled accuracy {start['accuracy']:.2f}, pass@8 {start['pass@8']:.2f}, "
             f"H0 {start['H0']:.3f} -> target {target_entropy(s, start):.3f} ({s.target_ratio} x H0); held-out "
             f"pass@1 {start['eval_pass@1']:.2f} pass@8 {start['eval_pass@8']:.2f}")
     return start
+
+
+def _eval_prompts(s: StudySettings) -> int:
+    task = task_of(s)
+    return s.eval_prompts if task.name == "pick_sum" else task.eval_prompts
+
+
+def restore_start(s: StudySettings, seed: int) -> bool:
+    """Put the committed warm start of ``seed`` (``study_results.start_checkpoint`` and its
+    ``start.json``) in this machine's seed directory, with the seed's task data, so that nothing
+    is rebuilt. False (nothing done) when no matching checkpoint is committed."""
+    import shutil
+
+    from megatron_stare.demo.warm_start import write_task_data
+
+    res, d = results_dir(s), seed_dir(s, seed)
+    start = sr.load_starts(res, [seed]).get(seed)
+    ckpt = sr.start_checkpoint(res, seed)
+    if (start is None or start.get("quick") != s.quick or start.get("task") != s.task
+            or not (ckpt / "model.safetensors").is_file()):
+        return False
+    write_task_data(d, seed, quick=s.quick, eval_prompts=_eval_prompts(s), task=task_of(s))
+    shutil.rmtree(d / "sft", ignore_errors=True)
+    shutil.copytree(ckpt, d / "sft")
+    sr.write_json_atomic(d / "start.json", start)  # last: its presence means "prepared"
+    log(f"seed {seed}: warm start restored from {ckpt} (H0 {start['H0']:.3f})")
+    return True
 
 
 def validate_seed(s: StudySettings, seed: int, start: dict) -> dict:

@@ -7,8 +7,12 @@ the run: its overrides, steps, evaluation schedule, target), and the report is r
 result files alone. A result file is written to ``<name>.json.tmp`` and renamed (atomic on one
 file system), so a killed runner leaves either the whole file or none.
 
-Layout: ``<results>/seed<k>/<method>.json`` (``RunResult``) and ``<results>/seed<k>/start.json``
-(the warm start's numbers and its validity measurement).
+Layout: ``<results>/seed<k>/<method>.json`` (``RunResult``), ``<results>/seed<k>/start.json``
+(the warm start's numbers and its validity measurement) and ``<results>/seed<k>/sft/`` (the warm
+start itself: the tiny model's safetensors, config and tokenizer, ~1.5 MB). A warm start is not
+bit-reproducible across machines (CPU kernels round differently), so a session that rebuilt it
+would get another H0 and orphan every result recorded under the first; with the checkpoint kept,
+every later session starts its runs from the same weights.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -83,3 +88,23 @@ def load_results(results: Path, seeds: Sequence[int], methods: Sequence[str]) ->
 def load_starts(results: Path, seeds: Sequence[int]) -> Mapping[int, dict]:
     return {seed: json.loads((Path(results) / f"seed{seed}" / "start.json").read_text()) for seed in seeds
             if (Path(results) / f"seed{seed}" / "start.json").is_file()}
+
+
+def start_checkpoint(results: Path, seed: int) -> Path:
+    """Where the warm start of ``seed`` is kept (``sft/``: a Hugging Face model directory)."""
+    return Path(results) / f"seed{seed}" / "sft"
+
+
+def keep_start_checkpoint(results: Path, seed: int, sft: Path) -> Path:
+    """Copy the warm start's files (``sft``, flat) to ``start_checkpoint``: into a temporary
+    directory renamed over the old one, so a killed copy leaves the old checkpoint or the new."""
+    dst = start_checkpoint(results, seed)
+    tmp = dst.with_name(".sft.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(Path(sft).iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return dst

@@ -39,20 +39,12 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
 
     from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
     from megatron_stare.models.tiny import build_tiny_hf_model
-    from megatron_stare.rewards import get_reward_fn, make_task, write_jsonl
+    from megatron_stare.rewards import get_reward_fn
 
     t0 = time.perf_counter()
     score = get_reward_fn(task.name)
     base = build_tiny_hf_model("qwen2", d / "base", seed=seed)
-    kw, name = task.kwargs, task.name
-    sft_rows = make_task(name, 1000 if quick else 5000, seed=1000 + seed, **kw)
-    probe = make_task(name, 64, seed=2000 + seed, **kw)
-    train = make_task(name, 2000, seed=3000 + seed, **kw)
-    seen = {r["prompt"] for r in sft_rows + train}
-    held = [r for r in make_task(name, 2 * eval_prompts, seed=4000 + seed, **kw) if r["prompt"] not in seen]
-    n_eval = 16 if quick else eval_prompts
-    write_jsonl(train, str(d / "data" / "train.jsonl"))
-    write_jsonl(held[:n_eval], str(d / "data" / "eval.jsonl"))
+    sft_rows, probe, train, held = write_task_data(d, seed, quick=quick, eval_prompts=eval_prompts, task=task)
     # SFT lr 1e-3: at 3e-3 the tiny model sat on a plateau for ~1000 steps (docs/study.md).
     # Quick: just long enough that some responses are correct (rewards vary inside groups).
     mnt = task.max_new_tokens
@@ -79,9 +71,28 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
     model = AutoModelForCausalLM.from_pretrained(d / "sft", dtype=torch.float32)
     n = 8 if quick else 64
     st = measure(model, tok, train[:n], seed=seed, samples_per_prompt=8, score_fn=score, max_new_tokens=mnt)
-    ev = measure(model, tok, held[:n_eval], seed=seed, samples_per_prompt=8, score_fn=score, max_new_tokens=mnt)
+    ev = measure(model, tok, held, seed=seed, samples_per_prompt=8, score_fn=score, max_new_tokens=mnt)
     start = {"seed": seed, "quick": quick, "task": task.name, "H0": st.entropy, "accuracy": st.accuracy, "pass@8": st.pass_at_k,
              "distinct@8": st.distinct, "eval_pass@1": ev.accuracy, "eval_pass@8": ev.pass_at_k,
              "mean_length": st.mean_length, "seconds": round(time.perf_counter() - t0, 1)}
     (d / "start.json").write_text(json.dumps(start, indent=2))
     return start
+
+
+def write_task_data(d: Path, seed: int, *, quick: bool = False, eval_prompts: int = 256,
+                    task: StudyTask = TASKS["pick_sum"]):
+    """The seed's task rows (deterministic in ``seed``): writes ``d/data/train.jsonl`` (RL prompts)
+    and ``d/data/eval.jsonl`` (held-out prompts no warm-start or RL row has); returns
+    ``(sft_rows, probe_rows, train_rows, eval_rows)``."""
+    from megatron_stare.rewards import make_task, write_jsonl
+
+    kw, name = task.kwargs, task.name
+    sft_rows = make_task(name, 1000 if quick else 5000, seed=1000 + seed, **kw)
+    probe = make_task(name, 64, seed=2000 + seed, **kw)
+    train = make_task(name, 2000, seed=3000 + seed, **kw)
+    seen = {r["prompt"] for r in sft_rows + train}
+    held = [r for r in make_task(name, 2 * eval_prompts, seed=4000 + seed, **kw) if r["prompt"] not in seen]
+    held = held[:16 if quick else eval_prompts]
+    write_jsonl(train, str(d / "data" / "train.jsonl"))
+    write_jsonl(held, str(d / "data" / "eval.jsonl"))
+    return sft_rows, probe, train, held

@@ -1,7 +1,8 @@
 """Study v2, shortened (``--task hop_path --quick``): a small warm start on hop_path, its task
 validity measured before any method runs, three methods (GRPO, GSPO, STARE C2) for 3 steps through
 the real trainer, each finished run recorded as one JSON in the results directory, the report
-built from those files; a new session (run directories gone) runs nothing and rebuilds the same."""
+built from those files; a new session (run directories gone) runs nothing and rebuilds the same;
+a new machine (seed directory gone) restores the kept warm start for a fourth method."""
 
 import json
 import os
@@ -56,3 +57,14 @@ def test_study_v2_quick_validity_results_and_resume(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert ": start (" not in again.stdout and "| 0 | STARE C2 |" in again.stdout
     assert json.loads((out / "study.json").read_text())["summaries"] == report["summaries"]
+    # A new machine asked for one more method: the seed directory is gone, the committed warm
+    # start (results/seed0/sft) is restored, not rebuilt, and the new run starts from it: its
+    # first step sees the same policy and batch as GRPO's did.
+    assert {p.name for p in (res / "sft").iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    shutil.rmtree(out / "seed0")
+    more = _study(out, "cispo")
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert "warm start restored from" in more.stdout and "[sft] step" not in more.stdout
+    assert "warm start: sampled accuracy" not in more.stdout and "cispo" in more.stdout.lower()
+    first = {m: json.loads((res / f"{m}.json").read_text())["rows"][0]["stare/entropy"] for m in ("grpo", "cispo")}
+    assert first["cispo"] == first["grpo"], first

@@ -46,9 +46,12 @@ def _await_backend_release(tensor: Tensor, base: int) -> None:
     """Block until ``tensor``'s use count is back to ``base`` (CPU), at most ``_BACKEND_RELEASE_S``."""
     if tensor.device.type != "cpu":
         return
-    deadline = time.monotonic() + _BACKEND_RELEASE_S
+    deadline, spins = time.monotonic() + _BACKEND_RELEASE_S, 0
     while tensor._use_count() > base and time.monotonic() < deadline:
-        time.sleep(0)
+        # Yield only, at first (the usual wait is microseconds); then sleep 1 ms, so that a long
+        # wait on 2 cores does not keep a core from the very thread it waits for.
+        time.sleep(0 if spins < 1000 else 1e-3)
+        spins += 1
 
 
 def broadcast(tensor: Tensor, root: int, group: dist.ProcessGroup) -> None:

@@ -51,7 +51,9 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
     cfg = (SftSettings(max_steps=task.quick_sft_steps, eval_every=20, probe_prompts=16, lr=task.sft_lr, stop_accuracy=0.15,
                        max_new_tokens=mnt) if quick else
            SftSettings(max_steps=task.sft_max_steps, eval_every=10, probe_prompts=64, lr=task.sft_lr,
-                       stop_accuracy=stop_accuracy, max_new_tokens=mnt))
+                       stop_accuracy=stop_accuracy, max_new_tokens=mnt,
+                       stop_pass=task.stop_pass if task.stop_pass is not None else 1.01,
+                       pass_samples=task.validate_samples))
     encode = None
     if task.sft_target is not None:
         rng = random.Random(seed)
@@ -64,8 +66,8 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
     if task.kv_cache:
         from megatron_stare.demo.study_validate import measure_policy_kv as measure
     train_sft(str(base), str(d / "sft"), sft_rows, probe, cfg, seed=seed, log=log, score_fn=score, encode=encode,
-              probe=lambda model, tok, rows, seed: measure(model, tok, rows, seed=seed, max_new_tokens=mnt,
-                                                           score_fn=score))
+              probe=lambda model, tok, rows, seed, samples=1: measure(model, tok, rows, seed=seed, max_new_tokens=mnt,
+                                                                      score_fn=score, samples_per_prompt=samples))
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(d / "sft")
     model = AutoModelForCausalLM.from_pretrained(d / "sft", dtype=torch.float32)

@@ -138,3 +138,33 @@ def test_dapo_cut_at_grpos_generated_tokens():
     assert e["passk"] == 0.5 and e["train_acc"] == pytest.approx(0.9)
     assert equal_tokens(_rows(3, 2000.0), grpo, 0.3) is None        # DAPO's first step alone is over
     assert math.isnan(summarize_run(grpo, 0.3)["pass32"])
+
+
+def test_warm_start_stops_at_probe_pass_at_k(tmp_path):
+    """The pass@k stop rule (``SftSettings.stop_pass``): probed every ``pass_every`` steps once the
+    sampled accuracy reaches ``pass_from_accuracy``, with ``pass_samples`` samples per prompt, and
+    the run stops at the first probe at or above the bound (here the 3rd: step 6), not at max_steps."""
+    from megatron_stare.demo.sft import PolicyStats, SftSettings, train_sft
+    from megatron_stare.models.tiny import build_tiny_hf_model
+
+    base = build_tiny_hf_model("qwen2", tmp_path / "base", seed=0, num_layers=1, hidden_size=32,
+                               ffn_hidden_size=64, num_heads=2, num_kv_heads=1)
+    rows = make_task("pick_sum", 16, seed=0, length=6, terms=2, min_solutions=2)
+    calls = []
+
+    def probe(model, tok, probe_rows, seed, samples=1):
+        calls.append(samples)
+        passes = sum(1 for k in calls if k > 1)
+        return PolicyStats(accuracy=0.1, entropy=1.0, mean_length=3.0, pass_at_k=0.3 * passes)
+
+    cfg = SftSettings(max_steps=40, batch_size=4, eval_every=1, probe_prompts=4, stop_accuracy=0.9,
+                      stop_pass=0.85, pass_samples=32, pass_every=2, pass_from_accuracy=0.05)
+    train_sft(str(base), str(tmp_path / "sft"), rows, rows, cfg, seed=0, probe=probe, log=lambda m: None)
+    assert [k for k in calls if k > 1] == [32, 32, 32]  # pass@32 0.3, 0.6, 0.9 -> stop
+    assert len([k for k in calls if k == 1]) == 1 + 6  # the start's probe + one per step up to step 6
+    assert (tmp_path / "sft" / "model.safetensors").is_file()
+    # Below pass_from_accuracy, pass@k is never probed and the run goes to max_steps.
+    calls.clear()
+    cfg.max_steps, cfg.pass_from_accuracy = 8, 0.5
+    train_sft(str(base), str(tmp_path / "sft2"), rows, rows, cfg, seed=0, probe=probe, log=lambda m: None)
+    assert calls == [1] * 9

@@ -305,6 +305,15 @@ def report(s: StudySettings, starts: Dict[int, dict], wall_seconds: float) -> di
     res = results_dir(s)
     if res is not None:
         found = sr.load_results(res, list(starts), s.methods)
+        # Only results recorded under the seed's current warm start (its H0 is in the key): a result
+        # of a start since rebuilt describes other weights and is not mixed into the table.
+        keys = {(spec.seed, spec.method): result_key(s, spec, starts[spec.seed]) for spec in study_specs(s)
+                if spec.seed in starts}
+        stale = sorted(k for k, v in found.items() if v.get("key") != keys.get(k))
+        if stale:
+            log("not in the report (recorded under an earlier warm start): "
+                + ", ".join(f"seed {seed} {m}" for seed, m in stale))
+        found = {k: v for k, v in found.items() if k not in stale}
         rows = {k: v["rows"] for k, v in found.items()}
         done = {k: {"seconds": v["seconds"], "stopped": v["stopped"]} for k, v in found.items()}
     else:

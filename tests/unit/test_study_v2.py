@@ -168,3 +168,24 @@ def test_warm_start_stops_at_probe_pass_at_k(tmp_path):
     cfg.max_steps, cfg.pass_from_accuracy = 8, 0.5
     train_sft(str(base), str(tmp_path / "sft2"), rows, rows, cfg, seed=0, probe=probe, log=lambda m: None)
     assert calls == [1] * 9
+
+
+def test_report_leaves_out_results_of_an_earlier_warm_start(tmp_path):
+    """A result whose key is another start's (the seed's start was rebuilt since) is not in the
+    table: mixing it in would compare runs from different weights."""
+    from megatron_stare.demo import study as st
+
+    s = st.StudySettings(out=str(tmp_path / "out"), seeds=[0], methods=["grpo", "dapo"], task="hop_path",
+                         results=str(tmp_path / "res"))
+    start = {"seed": 0, "quick": False, "task": "hop_path", "H0": 0.4, "accuracy": 0.1, "pass@8": 0.5,
+             "eval_pass@1": 0.1, "eval_pass@8": 0.5}
+    sr.write_json_atomic(tmp_path / "res" / "seed0" / "start.json", start)
+    grpo, dapo = st.study_specs(s)
+    rows = _rows(20, 100, evals={10: (0.2, 0.5, 0.8), 20: (0.3, 0.6, 0.85)})
+    sr.write_result(tmp_path / "res", seed=0, method="grpo", key=st.result_key(s, grpo, start), rows=rows,
+                    seconds=1.0, stopped=None, target=0.14, steps=20, overrides=grpo.overrides)
+    sr.write_result(tmp_path / "res", seed=0, method="dapo", key=st.result_key(s, dapo, {**start, "H0": 0.41}),
+                    rows=rows, seconds=1.0, stopped=None, target=0.14, steps=20, overrides=dapo.overrides)
+    st.report(s, {0: start}, wall_seconds=0.0)
+    md = (tmp_path / "out" / "study.md").read_text()
+    assert "| 0 | GRPO |" in md and "| 0 | DAPO |" not in md

@@ -181,6 +181,72 @@ def goals_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def goals_values_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
+    """Markdown: one row per goal, one column per seed, each cell the verdict with the numbers it
+    rests on (``goals`` gives the booleans; here a tie on pass@k is named as one)."""
+    seeds = list(summaries)
+    variants = [(n, sm.BY_NAME[n].label) for n in ("stare_c2", "stare_o1")
+                if any(n in summaries[s] for s in seeds)]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    def collapse(per: Mapping[str, dict]) -> str:
+        g = per.get("grpo")
+        return "-" if g is None else f"{verdict(g['final_ratio'] < 0.5)} ({_fmt(g['final_ratio'], '{:.2f}')}x)"
+
+    def holds(per: Mapping[str, dict]) -> str:
+        vs = [(lab, per[n]["in_band"]) for n, lab in variants if n in per]
+        if not vs:
+            return "-"
+        ok = all(not math.isnan(v) and v >= 0.8 for _, v in vs)
+        return verdict(ok) + " (" + ", ".join(f"{lab} {_fmt(v, '{:.2f}')}" for lab, v in vs) + ")"
+
+    def higher(per: Mapping[str, dict]) -> str:
+        refs = [(lab, per[n]["passk"]) for n, lab in (("grpo", "GRPO"), ("dapo", "DAPO")) if n in per]
+        if not refs:
+            return "-"
+        best = max(v for _, v in refs)
+        cells = []
+        for n, lab in variants:
+            if n in per:
+                p = per[n]["passk"]
+                word = "met" if p > best else ("tie" if p == best else "missed")
+                cells.append(f"{lab} {p:.3f}: {word}")
+        return "; ".join(cells) + " (" + ", ".join(f"{lab} {v:.3f}" for lab, v in refs) + ")"
+
+    lines = ["| goal | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for text, fn in (("GRPO's final entropy below half the target", collapse),
+                     ("STARE in the band on >= 80% of the steps after its gate", holds),
+                     ("STARE's pass@k above GRPO's and DAPO's", higher)):
+        lines.append(f"| {text} | " + " | ".join(fn(summaries[s]) for s in seeds) + " |")
+    return "\n".join(lines)
+
+
+MEDIAN_COLUMNS = ("final_ratio", "in_band", "pass1", "pass8", "pass32", "length")
+
+
+def medians_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
+    """Markdown: per method, the median over seeds of each column (a run that blew up does not
+    stand for its method as it does in a mean). ``in band`` is the median over the seeds where
+    entropy fell below the target; how many those were is said when not all."""
+    cols = [c for c in COLUMNS if c[0] in MEDIAN_COLUMNS]
+    lines = ["| method | seeds | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for m in sm.METHODS:
+        rs = [per[m.name] for per in summaries.values() if m.name in per]
+        if not rs:
+            continue
+        cells = []
+        for k, _, f in cols:
+            xs = [r[k] for r in rs if not math.isnan(r[k])]
+            cell = _fmt(statistics.median(xs), f) if xs else "-"
+            if k == "in_band" and len(xs) < len(rs):
+                cell += f" ({len(xs)} of {len(rs)} seeds)" if xs else " (never below target)"
+            cells.append(cell)
+        lines.append(f"| {m.label} | {len(rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def diagnostics_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
     """Mean over seeds of the quadrant fractions, pred_dH, the theory-check correlations and W/M."""
     lines = ["| method | A>0, s>H (raises H) | A>0, s<=H (lowers) | A<0, s>H (lowers) | A<0, s<=H (raises) "
@@ -241,7 +307,8 @@ def write_report(s, starts: Mapping[int, dict], rows: Mapping[Tuple[int, str], L
              "| train acc | pass@1 | pass@k |\n|---|---|---|---|---|---|---|\n" + "\n".join(eq) + "\n\n") if eq else ""
     md = (f"# Entropy study ({len(starts)} seed(s), {s.steps if not s.quick else 3} steps per run)\n\n"
           f"Warm starts:\n{starts_md}\n\n## Table\n\n{table_md(summaries, starts)}\n\n{stopped}\n## Goals\n\n"
-          f"{goals_md(summaries)}\n\n{eq_md}## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
+          f"{goals_md(summaries)}\n\nWith the numbers they rest on:\n\n{goals_values_md(summaries)}\n\n"
+          f"{eq_md}## Medians over seeds\n\n{medians_md(summaries)}\n\n## Dynamics diagnostics (mean over seeds)\n\n{diagnostics_md(summaries)}\n\n"
           f"Wall time: {wall_seconds / 60:.1f} min for this invocation (runs already done are not re-run).\n")
     (out / "study.md").write_text(md)
     report = {"starts": {str(k): v for k, v in starts.items()},

@@ -8,7 +8,8 @@ import pytest
 from megatron_stare.demo import study_methods as sm
 from megatron_stare.demo.sft import sft_target
 from megatron_stare.demo.study import RunSpec, StudySettings, run_key, study_specs, tuning_specs
-from megatron_stare.demo.study_report import goals, pearson, summarize_run, theory_pairs
+from megatron_stare.demo.study_report import (goals, goals_values_md, medians_md, pearson, summarize_run,
+                                              theory_pairs)
 from megatron_stare.rewards import get_reward_fn, make_task
 from megatron_stare.rewards.pick_sum import parse_response, pick_sum_reward
 
@@ -115,6 +116,37 @@ def test_goals_per_seed():
     per["grpo"]["final_ratio"] = 0.5  # not strictly below half the target
     per["dapo"]["pass8"] = 0.90       # a tie is not higher
     assert goals(per)["stare_o1"]["grpo_collapses"] is False and goals(per)["stare_o1"]["pass8_higher"] is False
+
+
+def test_goals_with_values_and_medians_over_seeds():
+    def s(ratio, band, p32, length=30.0):
+        return {"final_ratio": ratio, "in_band": band, "pass1": 0.2, "pass8": 0.4, "pass32": p32, "passk": p32,
+                "length": length}
+
+    summaries = {
+        0: {"grpo": s(0.4, 0.5, 0.50), "dapo": s(0.3, 0.2, 0.55), "stare_c2": s(1.0, 0.9, 0.60),
+            "stare_o1": s(1.0, 0.85, 0.55)},
+        1: {"grpo": s(0.7, 0.6, 0.40), "dapo": s(0.3, 0.2, 0.45), "stare_c2": s(0.9, 0.79, 0.44),
+            "stare_o1": s(1.0, math.nan, 0.70)},
+        2: {"grpo": s(0.2, 0.1, 0.30), "dapo": s(0.3, 0.2, 0.35), "stare_c2": s(1.1, 0.95, 0.90, length=64.0),
+            "stare_o1": s(1.0, 0.9, 0.50)},
+    }
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in goals_values_md(summaries).splitlines()[2:]}
+    collapse, holds, higher = (rows[k] for k in ("GRPO's final entropy below half the target",
+                                                 "STARE in the band on >= 80% of the steps after its gate",
+                                                 "STARE's pass@k above GRPO's and DAPO's"))
+    assert collapse[0].startswith("**met** (0.40x)") and collapse[1].startswith("**missed** (0.70x)")
+    # seed 1: C2 just under 0.8 and O1 never below target (nan) -> missed, both values shown
+    assert holds[0].startswith("**met**") and holds[1].startswith("**missed**") and "0.79" in holds[1] and "-" in holds[1]
+    # seed 0: O1 equals DAPO -> a tie, not a win; seed 1: C2 below DAPO -> missed, O1 above both -> met
+    assert "STARE C2 0.600: met" in higher[0] and "STARE O1 0.550: tie" in higher[0] and "DAPO 0.550" in higher[0]
+    assert "STARE C2 0.440: missed" in higher[1] and "STARE O1 0.700: met" in higher[1]
+
+    med = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in medians_md(summaries).splitlines()[2:]}
+    c2, o1 = med["STARE C2"], med["STARE O1"]
+    assert c2[0] == "3" and c2[1] == "1.00" and c2[2] == "0.90" and c2[5] == "0.600"  # medians, not means
+    assert c2[6].strip(" |") == "30.00"  # one 64-token seed does not move the median
+    assert o1[2] == "0.88 (2 of 3 seeds)"  # the median of the two seeds that had a gate
 
 
 # ------------------------------------------------------------------------------------------------ bookkeeping

@@ -1,13 +1,17 @@
 """The entropy study's figures: one PNG per metric, every method on it, plus the theory check.
 
-Curves are the mean over seeds (per step; the entropy as a multiple of each seed's target so
-seeds with different targets average), smoothed with a ``SMOOTH``-step moving average, with the
-seeds' range shaded. Uses the Agg canvas directly (no global backend switch).
+Curves are the median over seeds (per step; the entropy as a multiple of each seed's target so
+seeds with different targets compare), smoothed with a ``SMOOTH``-step moving average, with the
+seeds' range shaded: one run that blew up does not drag its method's curve, as a mean would. The
+entropy figure's y axis stops at ``ENTROPY_YMAX`` x the target (a run that explodes to 40x would
+flatten every other curve); the title says when a curve leaves it. Uses the Agg canvas directly
+(no global backend switch).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence, Tuple
 
@@ -16,6 +20,7 @@ from megatron_stare.demo.study_report import WINDOW, pearson, theory_pairs
 from megatron_stare.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
 
 SMOOTH = 10
+ENTROPY_YMAX = 4.0
 #: file stem -> (metric key, title, per-step? (else: evaluation points), divide by the target?)
 FIGURES: Dict[str, Tuple[str, str, bool, bool]] = {
     "entropy": (ENTROPY, "entropy / target (band 0.7-1.3x shaded)", True, True),
@@ -66,6 +71,7 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
         if not any(key in r for rs in rows.values() for r in rs):
             continue  # a metric these runs do not log (v1 has no pass@32)
         fig, ax = _figure(title)
+        top = -math.inf
         for i, m in enumerate(methods):
             runs = [(seed, rs) for (seed, name), rs in rows.items() if name == m.name]
             curves = [_series(rs, key, targets[seed] if by_target else 1.0) for seed, rs in runs]
@@ -77,10 +83,11 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
             ys = [c[1][:n] for c in curves]
             if per_step:
                 ys = [_smooth(y, SMOOTH) for y in ys]
-            mean = [sum(col) / len(col) for col in zip(*ys)]
+            mid = [statistics.median(col) for col in zip(*ys)]
+            top = max(top, max(max(y) for y in ys))
             style = "-" if m.name.startswith("stare") else "--"
             color = f"C{i}"
-            ax.plot(steps, mean, style, color=color, lw=2 if m.name.startswith("stare") else 1.2, label=m.label,
+            ax.plot(steps, mid, style, color=color, lw=2 if m.name.startswith("stare") else 1.2, label=m.label,
                     marker=None if per_step else "o", ms=3)
             if len(ys) > 1:
                 ax.fill_between(steps, [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)], color=color, alpha=0.08)
@@ -88,6 +95,9 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
             ax.axhspan(0.7, 1.3, color="tab:green", alpha=0.12)
             ax.axhline(1.0, color="k", lw=0.8, ls=":")
             ax.axhline(0.5, color="tab:red", lw=0.8, ls=":")
+            if top > ENTROPY_YMAX:
+                ax.set_ylim(0, ENTROPY_YMAX)
+                ax.set_title(f"{title}; runs reaching {top:.0f}x cut at {ENTROPY_YMAX:.0f}x", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -102,8 +112,8 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
 
 
 def _plot_pass_at_k(rows, methods, out: Path) -> str:
-    """pass@k against k (1..32, log scale) at each run's last evaluation, mean over seeds."""
-    fig, ax = _figure("held-out pass@k at the last evaluation (mean over seeds)")
+    """pass@k against k (1..32, log scale) at each run's last evaluation, median over seeds."""
+    fig, ax = _figure("held-out pass@k at the last evaluation (median over seeds)")
     for i, m in enumerate(methods):
         curves = []
         for (seed, name), rs in rows.items():
@@ -114,7 +124,7 @@ def _plot_pass_at_k(rows, methods, out: Path) -> str:
                                for k in [1, *ks]})
         if curves:
             ks = sorted(set.intersection(*(set(c) for c in curves)))
-            ax.plot(ks, [sum(c[k] for c in curves) / len(curves) for k in ks], "-o" if m.name.startswith("stare")
+            ax.plot(ks, [statistics.median(c[k] for c in curves) for k in ks], "-o" if m.name.startswith("stare")
                     else "--o", color=f"C{i}", ms=3, lw=2 if m.name.startswith("stare") else 1.2, label=m.label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")

@@ -229,9 +229,11 @@ MEDIAN_COLUMNS = ("final_ratio", "in_band", "pass1", "pass8", "pass32", "length"
 def medians_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
     """Markdown: per method, the median over seeds of each column (a run that blew up does not
     stand for its method as it does in a mean). ``in band`` is the median over the seeds where
-    entropy fell below the target; how many those were is said when not all."""
+    entropy fell below the target; how many those were is said when not all. The last column lists
+    pass@k (the goal's k) seed by seed, in the order of ``summaries``."""
     cols = [c for c in COLUMNS if c[0] in MEDIAN_COLUMNS]
-    lines = ["| method | seeds | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    lines = ["| method | seeds | " + " | ".join(c[1] for c in cols) + " | pass@k by seed |",
+             "|" + "---|" * (len(cols) + 3)]
     for m in sm.METHODS:
         rs = [per[m.name] for per in summaries.values() if m.name in per]
         if not rs:
@@ -243,7 +245,8 @@ def medians_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
             if k == "in_band" and len(xs) < len(rs):
                 cell += f" ({len(xs)} of {len(rs)} seeds)" if xs else " (never below target)"
             cells.append(cell)
-        lines.append(f"| {m.label} | {len(rs)} | " + " | ".join(cells) + " |")
+        by_seed = " / ".join(_fmt(per[m.name]["passk"], "{:.3f}") if m.name in per else "-" for per in summaries.values())
+        lines.append(f"| {m.label} | {len(rs)} | " + " | ".join(cells) + f" | {by_seed} |")
     return "\n".join(lines)
 
 

@@ -231,9 +231,9 @@ def _save_agreed(problem: Optional[str], root: Path, tmp: Path, step: int) -> No
         shutil.rmtree(tmp, ignore_errors=True)
     code = next((c for c in _FIXES if f"[Errno {c}]" in first or os.strerror(c) in first), None)
     fix = _FIXES.get(code, "check the file system of checkpoint.dir (or set checkpoint.dir elsewhere)")
-    if WRITER_DIED in first and "SIGKILL" in first:
+    if (WRITER_DIED in first or "a file worker of rank" in first) and "SIGKILL" in first:
         fix = ("a SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): give the job more host "
-               "memory or set checkpoint.async_save=false")
+               "memory" + (" or set checkpoint.async_save=false" if WRITER_DIED in first else ""))
     elif WRITER_DIED in first:
         fix = "see the rank's stderr for the writer's own error, or set checkpoint.async_save=false"
     previous = list_checkpoints(root)

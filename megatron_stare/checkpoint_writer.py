@@ -29,6 +29,14 @@ builtin in that module only; ``install()``):
   children (``watch_workers``: ``waitid`` with ``WNOWAIT``, which looks at a dead child without
   reaping it, so megatron-core's own joins still work) and, on a worker killed by a signal,
   exits at once with ``WORKER_KILLED_EXIT + signal``: the finalization names it on every rank.
+  The synchronous save forks its workers from the rank itself, which waits for them the same way
+  (``count_queue.join()``, no timeout). There the write is wrapped (``_watched_multiproc``): a
+  thread watches the workers this write forked, and on one killed by a signal it interrupts the
+  rank's wait (a signal to the main thread whose handler raises), kills the write's other
+  workers, and hands megatron-core the failure as the write's result, as a worker's own error
+  would be. megatron-core's gather of the write results then raises it on every rank (one
+  ``CheckpointError`` line naming the worker and the signal), instead of the rank hanging and the
+  others waiting for it in that gather.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Collection, List, Optional
 
 #: The sidecar a writer leaves beside each file it wrote: ``{"size": n, "sha256": hex}``.
 HASH_SUFFIX = ".sha256"
@@ -122,13 +130,20 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _killed_child() -> Optional[int]:
-    """The signal that killed a child of this process that is not yet reaped, or None (Linux)."""
+def _children() -> List[int]:
+    """The pids of this process's children (those its main thread forked; Linux), or []."""
     try:
-        children = [int(c) for c in Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()]
+        return [int(c) for c in Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()]
     except OSError:
-        return None
-    for pid in children:
+        return []
+
+
+def _killed_child(exclude: Collection[int] = ()) -> Optional[int]:
+    """The signal that killed a child of this process that is not yet reaped, or None (Linux);
+    children in ``exclude`` are not looked at."""
+    for pid in _children():
+        if pid in exclude:
+            continue
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
@@ -155,6 +170,68 @@ def watch_workers() -> None:
     threading.Thread(target=watch, name="checkpoint-worker-watch", daemon=True).start()
 
 
+class WorkerKilled(Exception):
+    """Raised in the rank's main thread, inside a synchronous write, when a worker was killed."""
+
+
+#: The signal the watch sends the rank's main thread to end its wait (unused elsewhere).
+_INTERRUPT = signal.SIGUSR2
+
+
+def _watched_multiproc(write):
+    """megatron-core's ``write_preloaded_data_multiproc``, watched when the rank's main thread
+    runs it itself (the synchronous save; see the module docstring). Elsewhere (in a background
+    writer, which ``watch_workers`` watches; in another thread, where no signal handler can be
+    set) it is ``write`` as is."""
+
+    def run(transform_list, use_msc, rank, write_buckets, global_results_queue):
+        if (os.getpid() != _rank_pid or threading.current_thread() is not threading.main_thread()
+                or not sys.platform.startswith("linux") or not hasattr(os, "waitid")):
+            return write(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        before, killed, stop, main = set(_children()), [], threading.Event(), threading.get_ident()
+
+        def interrupt(signum, frame):
+            if killed and not stop.is_set():
+                raise WorkerKilled(killed[0])
+
+        def watch():
+            while not stop.wait(WATCH_INTERVAL_S):
+                sig = _killed_child(exclude=before)
+                if sig is not None:
+                    killed.append(sig)
+                    signal.pthread_kill(main, _INTERRUPT)
+                    return
+
+        previous = signal.signal(_INTERRUPT, interrupt)
+        watcher = threading.Thread(target=watch, name="checkpoint-worker-watch", daemon=True)
+        watcher.start()
+        try:
+            write(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        except WorkerKilled as e:
+            stop.set()
+            for pid in set(_children()) - before:  # this write's other workers: their files are abandoned
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            global_results_queue.put(RuntimeError(
+                f"a file worker of rank {rank} was killed by {_signal_name(e.args[0])} before the write finished"))
+        finally:
+            stop.set()
+            watcher.join()
+            signal.signal(_INTERRUPT, previous)
+
+    run.__wrapped__ = write
+    return run
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
 def _writer_open(file, mode="r", *args, **kwargs):
     """``open`` as megatron-core's writer worker sees it (it opens only its output file)."""
     f = builtins.open(file, mode, *args, **kwargs)
@@ -177,5 +254,7 @@ def install() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.open = _writer_open
+    cls = filesystem_async.FileSystemWriterAsync
+    cls.write_preloaded_data_multiproc = staticmethod(_watched_multiproc(cls.write_preloaded_data_multiproc))
     os.register_at_fork(before=_remember_parent)
     _rank_pid = os.getpid()

@@ -54,6 +54,7 @@ def _case(rank, world, root):
     from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups, gather_full_model
     from megatron_stare.testing.optimizer_state import gather_optimizer_state
+    from megatron_stare.testing.save_faults import slow_writer_open
 
     root = Path(root)
     groups = case_groups(world, 1, 1, distributed_optimizer=True)
@@ -117,12 +118,7 @@ def _case(rank, world, root):
     # Step 4: rank 1's writer is killed alone mid-write (the OOM killer's pick), its rank lives on.
     filesystem_async.open = checkpoint_writer._writer_open  # undo step 3's full disk
     if rank == 1:
-        def slow_open(file, mode="r", *args, **kwargs):
-            f = checkpoint_writer._writer_open(file, mode, *args, **kwargs)
-            if mode == "wb":
-                time.sleep(60)  # a worker with its file open, writing slowly
-            return f
-        filesystem_async.open = slow_open
+        filesystem_async.open = slow_writer_open(60.0)  # a worker holds its file open, writing slowly
     save_checkpoint(root, 4, trainer_state={"step": 4}, background=saves, **kw)
     helpers = []
     if rank == 1:

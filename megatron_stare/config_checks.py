@@ -166,8 +166,9 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
                                f"vocabulary) cannot match; set rollout.{name}={off:g} (rollout.eval_top_p "
                                f"still filters evaluation)")
     if r.engine.startswith("sglang"):
-        _require(not r.verify_sync, f"rollout.verify_sync=true, but rollout.engine={r.engine} cannot "
-                                    f"report checksums of the weights it holds; set rollout.verify_sync=false")
+        _require(r.verify_sync != "checksums", f"rollout.verify_sync=checksums, but rollout.engine={r.engine} "
+                                               f"cannot report checksums of the weights it holds; use "
+                                               f"rollout.verify_sync=probe (any engine) or off")
 
 
 def _check_lengths(cfg: Config, spec) -> None:

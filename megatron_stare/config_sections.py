@@ -8,7 +8,7 @@ and states it in its docstring; ``megatron_stare.config`` loads YAML into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
 from megatron_stare.config_fields import num
@@ -129,8 +129,16 @@ class RolloutConfig:
     node's engines, capped at 4 GiB (``rollout/vllm_cpu.py``)."""
     sync_bucket_mb: int = num(512, ge=1)
     """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
-    verify_sync: bool = False
-    """After each sync, compare checksums of sampled tensors between trainer and engine."""
+    verify_sync: Union[Literal["probe", "checksums", "off"], bool] = "probe"
+    """How a weight sync is checked (``weight_sync/probe.py``, ``checksum.py``). probe: the engine
+    generates a fixed chat-templated probe and the trainer scores it; their log-probs must agree
+    within the dtype's bound (fp32 1e-4 mean / 1e-3 max, bf16 2e-2 / 0.5), else the run stops
+    (exit 1) before training on the engine's samples. checksums: every tensor's checksum as the
+    engine received it (not what its kernels compute with). off: no check. ``true``/``false``
+    mean checksums/off (the earlier boolean)."""
+    verify_sync_every: int = num(10, ge=0)
+    """With verify_sync=probe: probe after the run's first sync and every this many syncs after
+    it, >= 0 (0: the first sync only)."""
     eval_n: int = num(4, ge=1)
     """Samples per prompt at evaluation (avg@k, pass@k), >= 1."""
     eval_temperature: float = num(1.0, ge=0)
@@ -145,6 +153,10 @@ class RolloutConfig:
     updates replay the pass; prompt tokens the engine returns no routes for take the trainer's
     own routing of that pass); r2: the trainer's own routing of the log-prob pass; none: route
     afresh in every forward."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verify_sync, bool):  # YAML reads off / true / false as booleans
+            self.verify_sync = "checksums" if self.verify_sync else "off"
 
     @property
     def max_response_tokens(self) -> int:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from megatron_stare.async_save import BackgroundSaves, save_run
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
+from megatron_stare.errors import UserError
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
 from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.reaper import install as install_reaper
@@ -58,6 +59,8 @@ from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RE
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.save_schedule import SaveClock
 from megatron_stare.step_interrupt import StepInterrupts
+from megatron_stare.weight_sync.probe import (MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap,
+                                              probe_prompts)
 
 
 class Trainer:
@@ -128,6 +131,8 @@ class Trainer:
 
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
+        self.probe = self._sync_probe()  # rollout.verify_sync=probe (weight_sync/probe.py)
+        self.mismatch_watch = MismatchWatch(bound_for(m.dtype, self.engine_spec.dtype)[0])
         self.interrupts = StepInterrupts(self)  # a signal inside a step's rollout stops it (step_interrupt.py)
         self.start_step, self.skipped = 0, 0
         self.version, self.rollouts, self._saved_in_flight = 0, None, []
@@ -145,6 +150,7 @@ class Trainer:
 
         first_sync(self)  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
+        self.probe_engine(self.start_step)
         # Every step goes through the rollout pipeline: with staleness 0 it runs ``step`` exactly.
         self.rollouts = AsyncRollouts(self, self._saved_in_flight)
         self._saved_in_flight = []
@@ -175,6 +181,7 @@ class Trainer:
                 eng.release_memory()                              # 4
         with self.phase(ONLOAD):
             self.offload.onload()
+            self.check_probe()  # a probe deferred while the trainer's weights were offloaded
         train_start = time.perf_counter()
         with self.phase(TRAIN):
             result, stats, state, dynamics = self.train(samples, step)  # 5
@@ -193,6 +200,8 @@ class Trainer:
         with self.phase(RESUME_KV):
             if eng is not None:
                 eng.resume_kv_cache()                             # 8
+        if step + 1 < cfg.trainer.total_steps:  # no samples follow the last sync
+            self.probe_engine(step + 1)
         metrics = {**rollout.metrics(), **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
                    "stare/entropy": stats.entropy,
@@ -203,6 +212,10 @@ class Trainer:
             metrics.update(self.rollouts.step_metrics(step, job, samples, train_start, train_end))
         if stats.mismatch_mean is not None:
             metrics.update({"mismatch/mean_abs_logp": stats.mismatch_mean, "mismatch/max_abs_logp": stats.mismatch_max})
+            if not cfg.trainer.staleness and (line := self.mismatch_watch.update(step + 1, stats.mismatch_mean)):
+                self.console.note(line)
+        if self.probe is not None and self.probe.last is not None:
+            metrics.update({"sync/probe_mean_abs_logp": self.probe.last.mean, "sync/probe_max_abs_logp": self.probe.last.max})
         if stats.ratio_masked_frac is not None:
             metrics["mismatch/ratio_masked_frac"] = stats.ratio_masked_frac
         if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
@@ -340,12 +353,62 @@ class Trainer:
             for _ in buckets:
                 pass
             return
-        if not self.cfg.rollout.verify_sync:
+        if self.cfg.rollout.verify_sync != "checksums":
             self.engine.update_weights_from_buckets(buckets)
             return
         from megatron_stare.weight_sync import update_verified
 
         self.verified_tensors = update_verified(self.engine, buckets)  # checksums on both sides
+
+    def probe_engine(self, version: int) -> None:
+        """After the sync that installed policy ``version`` (engine awake): when due, the engine
+        generates the probe and the trainer scores it, now if its weights are on the device,
+        else at the next onload (``weight_sync/probe.py``)."""
+        if self.probe is None or not self.probe.due(version):
+            return
+        from megatron_stare.rollout.data_parallel import replica_slice
+
+        with self.timer("sync_probe"):
+            prompts, d = self.probe.prompts, self.engine_spec.devices
+            results = None
+            if d.generates:
+                part = replica_slice(len(prompts), d.replica, d.replicas)
+                results = self.engine.generate([prompts[i] for i in part], self.probe.sampling(), prompt_indices=part)
+            results = self.gather(results, len(prompts), 1)
+            self.probe.pending = (version, results)
+            if self.offload.level == "none":
+                self.check_probe()
+
+    def check_probe(self) -> None:
+        """The trainer's side of a pending probe; raises ``SyncCheckError`` past the bound."""
+        if self.probe is None or self.probe.pending is None:
+            return
+        from megatron_stare.rollout.data_parallel import replica_slice
+
+        version, results = self.probe.pending
+        self.probe.pending = None
+        with self.timer("sync_probe"):
+            gap = probe_gap(self.actor, self.probe.samples(results), self.groups)
+        d, n = self.engine_spec.devices, len(self.probe.prompts)
+        where = [""] * n
+        if d.replicas > 1:
+            for r in range(d.replicas):
+                for i in replica_slice(n, r, d.replicas):
+                    where[i] = f"replica {r} of {d.replicas}"
+        elif self.engine is not None and getattr(self.engine, "base_url", None):
+            where = [f"server {self.engine.base_url}"] * n
+        self.probe.check(gap, version, self.cfg.rollout.engine, where)
+
+    def _sync_probe(self) -> Optional[SyncProbe]:
+        r, d = self.cfg.rollout, self.cfg.data
+        if r.verify_sync != "probe":
+            return None
+        room = d.max_prompt_length + r.max_response_tokens  # the engine's context
+        new = min(16, r.max_new_tokens)
+        prompts = probe_prompts(self.tokenizer, min(d.max_prompt_length, room - new),
+                                count=max(4, self.engine_spec.devices.replicas))
+        return SyncProbe(prompts, r.temperature, r.verify_sync_every,
+                         bound_for(self.cfg.model.dtype, self.engine_spec.dtype), max_new_tokens=new)
 
     def evaluate(self, step: int) -> dict:
         """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
@@ -419,9 +482,13 @@ class Trainer:
         self.logger.close()
         if self.pool is not None:
             self.pool.close()
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.saves.close()
+        # The background save first: an engine's shutdown may end processes (SGLang's
+        # Engine.shutdown kills every child of its process), and the save's writer must finish.
+        try:
+            self.saves.close()
+        finally:
+            if self.engine is not None:
+                self.engine.shutdown()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -465,10 +532,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_status(preemption.exit_code())
             if dist.is_initialized():
                 dist.barrier()
-    except ValueError as e:
+    except UserError as e:
         # User errors (malformed data rows, a bad reward path, a missing or torn checkpoint) are
         # detected identically on every rank before any collective: one line from rank 0. A
-        # rendezvous error is a node's own (rank 0 may never see it): one line per node.
+        # rendezvous error is a node's own (rank 0 may never see it): one line per node. Any
+        # other exception - a library's ValueError included - is a crash with its traceback
+        # (errors.py says why the two are kept apart).
         from megatron_stare.rendezvous import RendezvousError
 
         first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
@@ -476,6 +545,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         write_status(2)
         return 2
+    except SyncCheckError as e:
+        # Found by a collective check, identically on every rank: one line, exit 1 (a failure,
+        # not a user error); nothing of the step after the last checkpoint is saved.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        write_status(1)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C (preemption.py): stopped at once, nothing saved
         return interrupted_again()
     finally:

@@ -223,7 +223,7 @@ class EngineSpec:
                                       top_k=0 if r.top_k == -1 else r.top_k, max_new_tokens=r.max_new_tokens),
             eval_sampling=SamplingDefaults(n=r.eval_n, temperature=r.eval_temperature, top_p=r.eval_top_p,
                                            top_k=0, max_new_tokens=r.max_new_tokens),
-            sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync,
+            sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync == "checksums",
             world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda,
             cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world),
             return_routed_experts=r.routing_replay == "r3")

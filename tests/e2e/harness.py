@@ -115,7 +115,7 @@ def _readme_cmd(assets, run_dir, *overrides):
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "timeline/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "timeline/", "sync/"))} for r in rows]
 
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from megatron_stare.errors import UserError
 from megatron_stare.rollout.phases import GATHER, SCORE
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class AsyncRollouts:
         from megatron_stare.rollout.async_loop import decode_in_flight
 
         if saved and self.pipeline.staleness == 0:
-            raise ValueError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
+            raise UserError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
                              f"asynchronous run; resume it with trainer.staleness >= 1")
         # Results live on the generating ranks only, as in the uninterrupted run.
         work = ((lambda job, state: self._segmented(job.draw, state))

@@ -50,13 +50,14 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_stare.checkpoint_manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
 from megatron_stare.checkpoint_manifest import manifest_step
+from megatron_stare.errors import UserError
 
 STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 PathLike = Union[str, Path]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; one line naming it and why."""
 
 

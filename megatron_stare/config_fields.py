@@ -23,11 +23,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Tuple
 
+from megatron_stare.errors import UserError
+
 RANGE = "range"
 """The metadata key of a field's ``Range``."""
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration problem; ``str()`` is one line naming the field and the fix."""
 
     def __init__(self, msg: str) -> None:

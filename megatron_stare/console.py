@@ -137,7 +137,7 @@ class Console:
         if root.level == logging.WARNING:  # the default: INFO records reach the log file too
             root.setLevel(logging.INFO)
         # vLLM configures its own console handler at import unless told not to; it then logs here.
-        # (Set for this process: a spawned vLLM server drops it, ``vllm_server.server_environ``.)
+        # (Set for this process: a spawned vLLM server drops it, ``spawned.server_environ``.)
         if "VLLM_CONFIGURE_LOGGING" not in os.environ:
             os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
             CONSOLE_ONLY_ENV.add("VLLM_CONFIGURE_LOGGING")

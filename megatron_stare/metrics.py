@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron_stare.config import LoggingConfig
+from megatron_stare.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ ENTROPY, GATE, ACCURACY, RESPONSE_LENGTH, TOKENS_PER_S = (
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-class MetricsError(ValueError):
+class MetricsError(UserError):
     """A logging problem; one line."""
 
     def __init__(self, msg: str) -> None:

@@ -23,10 +23,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stare.errors import UserError
 from megatron_stare.rendezvous import check_env, free_port
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """A parallel layout that cannot work; the message names the degree and the fix."""
 
 

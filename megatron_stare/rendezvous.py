@@ -32,12 +32,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from megatron_stare.errors import UserError
+
 WAIT_ENV = "MASTER_WAIT_S"
 """Seconds a node of rank > 0 waits for node 0's store (default ``DEFAULT_WAIT_S``)."""
 DEFAULT_WAIT_S = 120.0
 
 
-class RendezvousError(ValueError):
+class RendezvousError(UserError):
     """The ranks cannot meet; ``str()`` is one line naming the variable and the fix."""
 
     def __init__(self, msg: str) -> None:

@@ -26,6 +26,8 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from megatron_stare.errors import UserError
+
 __all__ = ["DataError", "JSON_SUFFIXES", "read_rows"]
 
 #: File names read as JSON lines (or, ``.json``, one JSON array).
@@ -36,7 +38,7 @@ BATCH_ROWS = 1024
 Row = Tuple[str, Optional[Dict[str, Any]], Optional[str]]
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset problem; ``str()`` is one line naming the file and row."""
 
     def __init__(self, msg: str) -> None:

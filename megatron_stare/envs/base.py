@@ -22,11 +22,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type
 
+from megatron_stare.errors import UserError
+
 
 __all__ = ["ENVIRONMENTS", "EnvError", "EnvStep", "Environment", "register_env"]
 
 
-class EnvError(ValueError):
+class EnvError(UserError):
     """A bad ``rollout.multi_turn.env`` (unknown name, import failure); one line."""
 
 

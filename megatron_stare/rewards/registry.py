@@ -27,13 +27,15 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator
 
+from megatron_stare.errors import UserError
+
 RewardFn = Callable[[str, str, dict], float]
 
 #: name -> reward function; filled by ``@register_reward``.
 REWARDS: Dict[str, RewardFn] = {}
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward problem (bad ``reward.fn``, a reward function that raised); one line."""
 
 

@@ -71,6 +71,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..errors import UserError
+
 __all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps",
            "version_metrics"]
 
@@ -317,7 +319,7 @@ def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], k
                        finished=bool(b.get("finished", True)))
         if keep_results and not job.finished and b.get("work") is not None:
             if work is None:
-                raise ValueError(f"step {job.step}'s batch in flight is a partial rollout; resume with the same "
+                raise UserError(f"step {job.step}'s batch in flight is a partial rollout; resume with the same "
                                  f"trainer.partial_rollout_tokens")
             job.work = work(job, b["work"])
         out.append(job)

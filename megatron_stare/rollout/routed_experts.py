@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron_stare.errors import UserError
 from megatron_stare.models.moe import layer_pattern
 
 __all__ = ["MoELayout", "capture_unavailable", "decode_npy_b64", "decode_sglang", "moe_layers", "moe_layout",
@@ -61,11 +62,11 @@ def capture_unavailable(cuda: bool) -> Optional[str]:
 
 
 def moe_layers(model_path: str) -> Sequence[int]:
-    """Indices of the sparse (MoE) layers of the HF checkpoint at ``model_path``; ValueError for a
+    """Indices of the sparse (MoE) layers of the HF checkpoint at ``model_path``; UserError for a
     dense model (there is no routing to return)."""
     layout = moe_layout(model_path)
     if layout is None:
-        raise ValueError(f"return_routed_experts: {model_path} is not a mixture-of-experts model")
+        raise UserError(f"return_routed_experts: {model_path} is not a mixture-of-experts model")
     return list(layout.layers)
 
 

@@ -35,6 +35,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..preemption import StepInterrupted
 from ..weight_sync import TensorChecksum
 from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
@@ -136,9 +137,9 @@ class VLLMEngine(RolloutEngine):
                  record_checksums: bool = False, logprobs_mode: str = LOGPROBS_MODE,
                  generation_config: str = "vllm", return_routed_experts: bool = False, **llm_kw):
         if return_routed_experts and (why := capture_unavailable(torch.cuda.is_available())):
-            raise ValueError(why)
+            raise UserError(why)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise ValueError("the colocated vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            raise UserError("the colocated vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                              "(tensors cannot cross the multiprocess RPC); unset it or use the "
                              "vllm-server engine")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -34,8 +34,10 @@ class ErrorReply(Exception):
 
 
 def request_json(url: str, body: Optional[dict], *, method: str, timeout: float, server: str,
-                 failure: Callable[[str, BaseException], Exception]) -> Any:
-    """``method`` ``url`` with ``body`` as JSON (None: no body); the decoded reply (None if empty)."""
+                 failure: Callable[[str, BaseException], Exception], text: bool = False) -> Any:
+    """``method`` ``url`` with ``body`` as JSON (None: no body); the decoded reply (None if empty),
+    or with ``text`` the reply as text (a route that answers in plain text, e.g. SGLang's
+    ``/flush_cache``: decoding it as JSON would fail on a good reply)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     path = urllib.request.urlparse(url).path
@@ -47,4 +49,6 @@ def request_json(url: str, body: Optional[dict], *, method: str, timeout: float,
         raise failure(path, ErrorReply(e.code, body)) from None
     except TRANSPORT_ERRORS as e:
         raise failure(path, e) from None
+    if text:
+        return raw.decode(errors="replace")
     return json.loads(raw) if raw else None

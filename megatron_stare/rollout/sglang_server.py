@@ -14,6 +14,18 @@ Weights: ``/init_weights_update_group`` (the trainer is rank 0 of a group named
 names/dtypes/shapes while the trainer broadcasts each tensor of the bucket in order, inside
 ``/begin_weight_update`` ... ``/end_weight_update``, then ``/flush_cache`` (SGLang's protocol, not
 ours: its server decides it; the group, the threads and the sends come from ``weight_sync``).
+Every weight route answers ``{"success", "message"}`` (status 400 on failure: raised);
+``/flush_cache`` answers in plain text.
+
+Seeds: each request carries its ``sampling_seed``, but SGLang 0.5.23 uses it only with
+``--enable-deterministic-inference`` (``srt/sampling/sampling_batch_info.py``, the
+``sampling_seed`` tensor is built only then): without it, sampling is not reproducible and a
+resumed run does not regenerate the interrupted step's samples. The engine says so once
+(``SEED_NOTICE``); deterministic inference (batch-invariant kernels) is the user's choice of
+server flags, at its cost in speed.
+
+The colocated ``sglang`` engine (``sglang_engine.py``) is this client against a server it
+spawns on its TP group's GPUs.
 
 Memory: the server is not on the trainer's GPUs, so the release phase has nothing to free
 (it says so once).
@@ -22,7 +34,9 @@ Memory: the server is not on the trainer's GPUs, so the release phase has nothin
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,17 +45,89 @@ from torch import Tensor
 
 from ..weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
                            route_address, send_each)
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, register_engine
-from .routed_experts import moe_layout
-from .sglang_engine import RAW_LOGPROB_ENV, moe_kwargs, sglang_rows, to_result
+from ..errors import UserError
+from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+                   sample_seed)
 from .http import EngineFailure, request_json
+from .routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
 from .interruptible import run_requests
 from .spec import EngineSpec
 from .vllm_server import ServerCommand
 
-__all__ = ["SGLangServerEngine", "server_command"]
+__all__ = ["RAW_LOGPROB_ENV", "SEED_NOTICE", "SGLangServerEngine", "check_logprob_env", "moe_kwargs",
+           "server_command", "sglang_rows", "to_result"]
 
 log = logging.getLogger(__name__)
+
+RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""SGLang's switch to raw-logit log-probs (read by its sampler); must stay off."""
+SEED_NOTICE = ("SGLang ignores per-request sampling seeds unless the server runs with "
+               "--enable-deterministic-inference (sglang srt/sampling/sampling_batch_info.py): rollouts are not "
+               "reproducible, and a resumed run does not regenerate the samples of the interrupted step")
+"""Said once per engine: what ``SamplingParams.seed`` does not give on SGLang (vLLM honours it)."""
+
+
+def moe_kwargs(spec: EngineSpec) -> dict:
+    """A mixture-of-experts policy: SGLang's expert parallel over the engine's TP group
+    (``ep_size = tp_size``: each GPU holds whole experts, 1/tp of them, instead of a 1/tp slice
+    of every expert), and ``enable_return_routed_experts`` when the spec asks for the routing
+    (``return_routed_experts``: routing replay). Nothing for a dense model."""
+    local = Path(spec.model_path) / "config.json"
+    if not local.is_file():  # a server command printed for another node: its flags are the user's
+        return {}
+    if moe_layout(spec.model_path) is None:
+        if spec.return_routed_experts:
+            raise UserError(f"return_routed_experts: {spec.model_path} is not a mixture-of-experts model")
+        return {}
+    kw = {"ep_size": spec.tp}
+    if spec.return_routed_experts:
+        kw["enable_return_routed_experts"] = True
+    return kw
+
+
+def check_logprob_env(env=os.environ) -> None:
+    """SGLang must return log-probs after temperature: refuse a raw-log-prob switch."""
+    if env.get(RAW_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        raise UserError(f"{RAW_LOGPROB_ENV} is set: SGLang would return raw-logit log-probs, not the "
+                        f"temperature-scaled ones the trainer computes; unset it")
+
+
+def sglang_rows(prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams,
+                prompt_indices: Optional[Sequence[int]] = None
+                ) -> Tuple[List[Tuple[int, int]], List[List[int]], List[dict]]:
+    """``(rows, input_ids, sampling_params)``: one SGLang request row per (prompt, sample); a
+    row is ``(batch index of the prompt, sample index)`` (see ``RolloutEngine.generate``). Each
+    row carries its own ``sampling_seed``, which SGLang honours only in deterministic mode
+    (``SEED_NOTICE``)."""
+    idx = batch_indices(prompt_token_ids, prompt_indices)
+    local = {g: p for p, g in enumerate(idx)}
+    rows = [(g, s) for g in idx for s in range(params.n)]
+    sp = []
+    for p, s in rows:
+        d = {"temperature": params.temperature, "top_p": params.top_p,
+             "top_k": params.top_k if params.top_k > 0 else -1,
+             "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+             "ignore_eos": params.ignore_eos}
+        if params.seed is not None:
+            d["sampling_seed"] = sample_seed(sample_seed(params.seed, p), s)
+        sp.append(d)
+    return rows, [list(prompt_token_ids[local[p]]) for p, _ in rows], sp
+
+
+def to_result(row: Tuple[int, int], out: dict, moe: Optional[MoELayout] = None) -> GenerationResult:
+    """One SGLang output row -> our result; ``moe``: read its routed experts too."""
+    meta = out["meta_info"]
+    reason = meta["finish_reason"]["type"]
+    if reason == "abort":
+        raise RuntimeError(f"SGLang aborted a request: {meta['finish_reason']}")
+    toks = list(out["output_ids"])
+    lps = torch.tensor([float(lp) for lp, _tid, *_ in meta["output_token_logprobs"]], dtype=torch.float32)
+    routed = None
+    if moe is not None:
+        if meta.get("routed_experts") is None:
+            raise RuntimeError("SGLang returned no routed experts (start it with enable_return_routed_experts)")
+        routed = to_result_layout(decode_sglang(meta["routed_experts"], moe), moe.layers)
+    return GenerationResult(row[0], row[1], toks, lps, reason, routed_experts=routed)
 
 
 def server_command(spec: EngineSpec, host: str = "0.0.0.0", port: int = 30000) -> ServerCommand:
@@ -82,7 +168,7 @@ class SGLangServerEngine(RolloutEngine):
                  request_timeout_s: float = 600.0, max_concurrency: int = 64,
                  return_routed_experts: bool = False, model_path: Optional[str] = None):
         if return_routed_experts and (model_path is None or moe_layout(model_path) is None):
-            raise ValueError(f"sglang-server: return_routed_experts needs the mixture-of-experts checkpoint's "
+            raise UserError(f"sglang-server: return_routed_experts needs the mixture-of-experts checkpoint's "
                              f"model_path (got {model_path})")
         self._moe = moe_layout(model_path) if return_routed_experts else None
         self.base_url = base_url.rstrip("/")
@@ -94,6 +180,7 @@ class SGLangServerEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
         self._group: Optional[dist.ProcessGroup] = None
+        self.say_once(SEED_NOTICE)
         if expect:
             self._check_server(expect)
 
@@ -111,7 +198,7 @@ class SGLangServerEngine(RolloutEngine):
                if ((info.get(k) or 0) < v if k == "context_length" else info.get(k) != v)]
         if bad:
             cmd = "python -m megatron_stare.rollout.server_cmd"
-            raise ValueError(f"sglang-server at {self.base_url} does not match the run: "
+            raise UserError(f"sglang-server at {self.base_url} does not match the run: "
                              + ", ".join(f"{k} {info.get(k)!r} (the run needs {expect[k]!r})" for k in bad)
                              + f"; start it with the command `{cmd}` prints")
 
@@ -125,9 +212,11 @@ class SGLangServerEngine(RolloutEngine):
         return EngineFailure(f"sglang-server at {self.base_url} failed during {path} "
                              f"({type(e).__name__}: {detail}): is it still up? See its own log")
 
-    def _post(self, path: str, body: Optional[dict] = None):
+    def _post(self, path: str, body: Optional[dict] = None, text: bool = False):
+        """POST ``path``; the decoded reply. A reply ``{"success": false}`` (SGLang's weight and
+        memory routes answer so, with status 400, when they fail) raises."""
         out = request_json(self.base_url + path, body or {}, method="POST", timeout=self.request_timeout_s,
-                           server="SGLang server", failure=self._failure)
+                           server="SGLang server", failure=self._failure, text=text)
         if isinstance(out, dict) and out.get("success") is False:
             raise RuntimeError(f"SGLang server {path} refused: {out.get('message')}")
         return out
@@ -186,7 +275,12 @@ class SGLangServerEngine(RolloutEngine):
                     raise errors[0]
         finally:
             self._post("/end_weight_update")
-        self._post("/flush_cache")
+        self.flush_cache()
+
+    def flush_cache(self) -> None:
+        """Drop the radix (prefix) cache. SGLang answers this route in plain text, not JSON
+        (``srt/entrypoints/http_server.py`` ``flush_cache``), with status 400 if it refused."""
+        self._post("/flush_cache", text=True)
 
     @property
     def memory_release(self) -> MemoryRelease:

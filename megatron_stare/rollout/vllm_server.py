@@ -47,7 +47,6 @@ import atexit
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,13 +60,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..console import CONSOLE_ONLY_ENV
+from ..errors import UserError
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from .http import EngineFailure, ErrorReply, request_json
 from .interruptible import run_requests
 from .routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
 from .server_guard import guarded
+from .spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
 from .spec import EngineSpec
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
@@ -76,21 +76,6 @@ __all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "stare-policy"
-
-
-
-#: A torchrun worker's own variables (with every ``TORCHELASTIC_*``): a server it spawns is no
-#: torchrun worker, and would misread them (torch's ``tcp://`` rendezvous, inside vLLM too, takes
-#: ``TORCHELASTIC_USE_AGENT_STORE`` to mean that torchrun's agent hosts every store).
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-
-
-def server_environ() -> Dict[str, str]:
-    """This process's environment without torchrun's worker variables: what a spawned server
-    inherits."""
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")
-            and k not in CONSOLE_ONLY_ENV}  # a server logs on its own terms (into its log file)
 
 
 @dataclass(frozen=True)
@@ -170,11 +155,11 @@ class VLLMServerEngine(RolloutEngine):
             raise ValueError("vllm-server: pass exactly one of command (spawn) or base_url (attach)")
         cuda = torch.cuda.is_available()
         if return_routed_experts and (why := capture_unavailable(cuda)):
-            raise ValueError(why)
+            raise UserError(why)
         if return_routed_experts and model_path is None and command is not None:
             model_path = command.argv[list(command.argv).index("--model") + 1]
         if return_routed_experts and model_path is None:
-            raise ValueError("vllm-server: return_routed_experts needs model_path (the checkpoint's MoE layers)")
+            raise UserError("vllm-server: return_routed_experts needs model_path (the checkpoint's MoE layers)")
         self._moe_layers = moe_layers(model_path) if return_routed_experts else None
         self.keep_log = keep_log
         self.bucket_bytes = bucket_bytes
@@ -232,7 +217,7 @@ class VLLMServerEngine(RolloutEngine):
         want = {**expect, "logprobs_mode": LOGPROBS_MODE}
         bad = [k for k in want if k in got and (got[k] < want[k] if k == "context_length" else got[k] != want[k])]
         if bad:
-            raise ValueError(f"vllm-server at {self.base_url} does not match the run: "
+            raise UserError(f"vllm-server at {self.base_url} does not match the run: "
                              + ", ".join(f"{k} {got[k]} (the run needs {want[k]})" for k in bad)
                              + "; start it with the command `python -m megatron_stare.rollout.server_cmd` prints")
 
@@ -437,13 +422,7 @@ class VLLMServerEngine(RolloutEngine):
         self._proc = None
         atexit.unregister(self.shutdown)
         self._destroy_group()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        end_group(proc)
         self._log.close()
         if not self.keep_log:
             os.unlink(self._log.name)

@@ -1,8 +1,7 @@
 """SGLang adapters against SGLang's real API as recorded from the pinned wheel (SGLang cannot run
 on CPU): the spec's translation against the real ``ServerArgs`` fields and CLI flags, the
-adapters against fakes whose every call is bound to the real ``Engine`` signatures and whose
-rules are SGLang's (weight updates only inside ``begin/end_weight_update``; memory tags
-released and resumed as its ``release/resume_memory_occupation`` keep them).
+adapters against fakes that answer SGLang's real routes in its real formats (``/flush_cache`` in
+plain text) and keep its rules (weight updates only inside ``begin/end_weight_update``).
 
 The recorded API is ``tests/fixtures/sglang_0.5.23_api.json`` (``tests/fixtures/sglang_api.py``
 says how it is made; with ``SGLANG_WHEEL`` set, it is checked against the wheel). The server
@@ -23,14 +22,14 @@ import torch
 import yaml
 
 from megatron_stare.config import load_config, validate_config
-from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
-from megatron_stare.rollout import sglang_engine
+from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
 from megatron_stare.rollout.phases import EngineMemory
 from megatron_stare.rollout.sglang_engine import SGLangEngine, engine_kwargs
 from megatron_stare.rollout.sglang_server import SGLangServerEngine, server_command
 from megatron_stare.weight_sync import dtype_from_name, init_named_weight_group
 
-from ..fixtures.sglang_api import extract, recorded, signature
+from ..fixtures.fake_sglang.sglang.launch_server import FLUSHED, fake_generation
+from ..fixtures.sglang_api import extract, recorded
 
 API = recorded()
 GPU_WORLD = EngineWorld(rank=0, world_size=4, local_rank=0, local_world_size=4, cuda=True, process_group=True)
@@ -70,83 +69,6 @@ def test_recorded_api_is_the_pinned_wheels():
     if not wheel:
         pytest.skip("set SGLANG_WHEEL=path/to/sglang-<pinned>.whl to check the record against the wheel")
     assert extract(wheel) == API
-
-
-class RecordedSGLangEngine:
-    """Stands in for ``sglang.Engine``: every call bound to the real signature, constructor
-    arguments checked against the real ``ServerArgs`` fields and types, SGLang's rules kept."""
-
-    def __init__(self, **kwargs):
-        bad = {k: v for k, v in kwargs.items()
-               if k not in API["server_args"] or not _type_ok(v, API["server_args"][k]["type"])}
-        assert not bad, f"not SGLang ServerArgs fields (or wrong types): {bad}"
-        self.server_args = kwargs
-        self.calls, self.weights, self.in_update = [], {}, False
-        self.kv_stale = False  # the KV cache holds entries computed from replaced weights
-        self.offload_tags: set = set()
-
-    def _call(self, method, *args, **kwargs):
-        signature(method, API).bind(*args, **kwargs)  # TypeError unless SGLang takes these arguments
-        self.calls.append((method, kwargs.get("tags")))
-
-    def begin_weight_update(self, *a, **k):
-        self._call("begin_weight_update", *a, **k)
-        assert not self.in_update, "weight update session already open"
-        self.in_update = True
-
-    def end_weight_update(self, *a, **k):
-        self._call("end_weight_update", *a, **k)
-        assert self.in_update, "no weight update session open"
-        self.in_update = False
-
-    def update_weights_from_tensor(self, *a, **k):
-        self._call("update_weights_from_tensor", *a, **k)
-        if not self.in_update:
-            raise RuntimeError("update_weights_from_tensor refused outside begin/end_weight_update")
-        assert "weights" not in self.offload_tags, "weights loaded into released memory"
-        assert k["flush_cache"] is False
-        self.weights.update((n, t.clone()) for n, t in k["named_tensors"])
-        self.kv_stale = "kv_cache" not in self.offload_tags
-
-    def flush_cache(self, *a, **k):
-        self._call("flush_cache", *a, **k)
-        self.kv_stale = False
-
-    def generate(self, *a, **k):
-        self._call("generate", *a, **k)
-        assert k["return_logprob"] and not self.offload_tags, f"generate with {self.offload_tags} released"
-        assert not self.kv_stale, "stale KV cache after an update"
-        assert all(set(sp) <= set(API["sampling_params"]) for sp in k["sampling_params"])
-        return [fake_generation(ids, sp, self.weights) for ids, sp in zip(k["input_ids"], k["sampling_params"])]
-
-    def release_memory_occupation(self, *a, **k):  # as SGLang's weight_updater does
-        self._call("release_memory_occupation", *a, **k)
-        tags = k.get("tags") or API["memory_tags"]
-        self.offload_tags |= set(tags)
-        if "kv_cache" in tags:
-            self.kv_stale = False  # releasing the KV cache flushes it
-
-    def resume_memory_occupation(self, *a, **k):
-        self._call("resume_memory_occupation", *a, **k)
-        for tag in k.get("tags") or API["memory_tags"]:
-            self.offload_tags.remove(tag)  # KeyError for a tag that is not released, as in SGLang
-
-    def shutdown(self, *a, **k):
-        self._call("shutdown", *a, **k)
-
-
-def fake_generation(ids, sp, weights):
-    """A deterministic function of the prompt, sampling params and weights, in SGLang's format."""
-    w = sum(float(t.double().sum()) for t in weights.values())
-    base = int(abs(w) * 1000) + sum(ids) + sp.get("sampling_seed", 0)
-    out = [(base + i) % 97 for i in range(sp["max_new_tokens"])]
-    stop = set(sp["stop_token_ids"])
-    cut = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))
-    reason = "stop" if cut < len(out) or (out and out[cut - 1] in stop) else "length"
-    out = out[:cut]
-    return {"output_ids": out, "meta_info": {
-        "finish_reason": {"type": reason},
-        "output_token_logprobs": [(-0.5 - 0.01 * t, t, None) for t in out]}}
 
 
 # ---------------------------------------------------------------------------- the spec's translation
@@ -198,86 +120,19 @@ def test_server_command_uses_real_flags_and_the_logprob_convention(tmp_path):
 
 
 # ---------------------------------------------------------------------------- colocated engine
-def test_sglang_builds_from_a_config_file_through_the_trainers_path(tmp_path, monkeypatch):
-    """engine_for_rank (what the Trainer calls): one Engine per TP group, on its leader rank."""
-    monkeypatch.setattr(sglang_engine, "sglang_engine_class", lambda: RecordedSGLangEngine)
-    cfg = _config(tmp_path, engine="sglang", tp=2)
-    built = {r: engine_for_rank(cfg, EngineWorld(rank=r, world_size=4, local_rank=r, local_world_size=4,
-                                                 cuda=True))[1] for r in range(4)}
-    assert built[1] is None and built[3] is None
-    assert built[0].engine.server_args["base_gpu_id"] == 0 and built[2].engine.server_args["base_gpu_id"] == 2
+# The colocated engine is this HTTP client against a server it spawns: tests/unit/test_sglang_colocated.py.
+def test_colocated_engine_refuses_cpu_and_raw_logprobs(tmp_path, monkeypatch):
+    import dataclasses
+
+    from megatron_stare.errors import UserError
+    from megatron_stare.rollout import EngineSpec
+
+    spec = EngineSpec.from_config(_config(tmp_path, engine="sglang", tp=2), GPU_WORLD)
+    with pytest.raises(UserError, match="the sglang engine needs a CUDA GPU"):
+        SGLangEngine.from_spec(dataclasses.replace(spec, cuda=False))
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return raw-logit"):
-        engine_for_rank(cfg, GPU_WORLD)
-
-
-def test_colocated_phases_release_and_resume_every_tag_in_order():
-    """release -> resume weights -> sync (no flush: the KV cache is released) -> resume KV and
-    CUDA graphs. SGLang's own bookkeeping (the recorded fake's) ends with nothing released."""
-    fake = RecordedSGLangEngine()
-    eng = SGLangEngine("unused", engine=fake, bucket_bytes=20_000)
-    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=5, seed=4)
-    eng.update_weights(iter(_named(0)))
-    before = eng.generate([[1, 2, 3]], params)
-    fake.calls.clear()
-    assert eng.release_memory() is True and fake.offload_tags == {"kv_cache", "weights", "cuda_graph"}
-    eng.resume_weights()
-    eng.update_weights(iter(_named(1)))
-    eng.resume_kv_cache()
-    after = eng.generate([[1, 2, 3]], params)
-    assert [c for c in fake.calls if c[0] != "update_weights_from_tensor"] == [
-        ("release_memory_occupation", None), ("resume_memory_occupation", ["weights"]),
-        ("begin_weight_update", None), ("end_weight_update", None),
-        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]), ("generate", None)]
-    assert fake.offload_tags == set() and after[0].token_ids != before[0].token_ids  # new weights
-    # The guard this replaces: resuming weights then kv_cache alone left the CUDA graphs released.
-    old = RecordedSGLangEngine()
-    old.release_memory_occupation(tags=None)
-    old.resume_memory_occupation(tags=["weights"])
-    old.resume_memory_occupation(tags=["kv_cache"])
-    assert old.offload_tags == {"cuda_graph"}
-    with pytest.raises(KeyError):  # and SGLang refuses to resume what is not released
-        old.resume_memory_occupation(tags=["weights"])
-
-
-def test_colocated_update_protocol_and_results():
-    fake = RecordedSGLangEngine()
-    eng = build_engine("sglang", "unused", engine=fake, bucket_bytes=20_000)
-    eng.update_weights(iter(_named(0)))
-    kinds = [c[0] for c in fake.calls]
-    assert kinds[0] == "begin_weight_update" and kinds[-2:] == ["end_weight_update", "flush_cache"]
-    assert kinds.count("update_weights_from_tensor") > 1  # bucketed, one flush after the whole update
-    assert sorted(fake.weights) == sorted(n for n, _ in _named(0))
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=4)
-    res = eng.generate([[1, 2, 3], [4, 5]], params)
-    assert [(r.prompt_index, r.sample_index) for r in res] == [(p, s) for p in range(2) for s in range(3)]
-    assert len({tuple(r.token_ids) for r in res[:3]}) == 3  # distinct per-sample seeds
-    assert res[0].logprobs.dtype == torch.float32 and res[0].finish_reason == "length"
-    assert eng.generate([[1, 2, 3], [4, 5]], params)[0].token_ids == res[0].token_ids
-    stop = res[0].token_ids[1]
-    r = eng.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=5, seed=4,
-                                                 stop_token_ids=(stop,)))[0]
-    assert r.token_ids == res[0].token_ids[:2] and r.finish_reason == "stop"
-
-
-def test_colocated_update_closes_the_session_on_error():
-    fake = RecordedSGLangEngine()
-    eng = SGLangEngine("unused", engine=fake)
-
-    def broken():
-        yield _named(0)[0]
-        raise OSError("export failed")
-
-    with pytest.raises(OSError):
-        eng.update_weights(broken())
-    assert fake.in_update is False and fake.calls[-1][0] == "end_weight_update"
-
-
-def test_real_sglang_needs_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CPU behaviour")
-    with pytest.raises(ValueError, match="CUDA"):
-        SGLangEngine("some/model")
+    with pytest.raises(UserError, match="SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return raw-logit"):
+        SGLangEngine.from_spec(spec)  # before anything is spawned
 
 
 # ---------------------------------------------------------------------------- server fake
@@ -296,6 +151,8 @@ class _FakeServerState:
         self.calls.append(path)
         if path == "/server_info":
             return self.info
+        if path == "/flush_cache":  # SGLang answers in plain text (srt/entrypoints/http_server.py:1025)
+            return FLUSHED
         if path == "/init_weights_update_group":
             assert b["rank_offset"] == 1 and b["world_size"] == 2
             self.group = init_named_weight_group(b["master_address"], b["master_port"], 1,
@@ -329,9 +186,10 @@ def _serve_fake(queue, info):
                 out, code = state.handle(self.path, body), 200
             except Exception as e:  # noqa: BLE001
                 out, code = {"success": False, "message": repr(e)}, 400
-            data = json.dumps(out).encode()
+            text = isinstance(out, str)
+            data = out.encode() if text else json.dumps(out).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

@@ -1,7 +1,6 @@
 """SGLang's mixture-of-experts path, built from a config file and checked against SGLang's recorded
 API (it cannot run on CPU; ``tests/gpu/test_sglang_gpu.py`` runs it for real): expert parallel over
 the engine's TP group (``ep_size``), ``enable_return_routed_experts`` for routing replay, the
-``return_routed_experts`` generate argument bound to ``Engine.generate``'s real signature, and
 ``meta_info["routed_experts"]`` (base64 int32 ``[P + T - 1, num_hidden_layers, topk]``) read
 into ``GenerationResult.routed_experts`` (MoE layers only, int16)."""
 
@@ -15,11 +14,12 @@ import yaml
 
 from megatron_stare.config import load_config, validate_config
 from megatron_stare.models.tiny import build_tiny_hf_model
-from megatron_stare.rollout import EngineSpec, EngineWorld, SamplingParams, build_engine
-from megatron_stare.rollout.sglang_engine import engine_kwargs
-from megatron_stare.rollout.sglang_server import server_command
+from megatron_stare.rollout import EngineSpec, EngineWorld
+from megatron_stare.rollout.sglang_engine import colocated_command, engine_kwargs
+from megatron_stare.rollout.sglang_server import server_command, to_result
 
-from .test_rollout_sglang import API, RecordedSGLangEngine, _parse_flags, _type_ok
+from ..fixtures.fake_sglang.sglang.launch_server import fake_generation
+from .test_rollout_sglang import API, _parse_flags, _type_ok
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
 WORLD = EngineWorld(rank=0, world_size=4, local_rank=0, local_world_size=4, cuda=True)
@@ -40,19 +40,13 @@ def _spec(tmp_path, model, engine="sglang", **extra):
     return EngineSpec.from_config(cfg, WORLD)
 
 
-class RoutingSGLangEngine(RecordedSGLangEngine):
-    """The recorded fake, returning SGLang's routing field when asked (as its tokenizer manager
-    encodes it: base64 of the int32 tensor's bytes)."""
-
-    def generate(self, *a, **k):
-        outs = super().generate(*a, **k)
-        if k.get("return_routed_experts"):
-            assert self.server_args.get("enable_return_routed_experts"), "routing asked of an engine without it"
-            for ids, out in zip(k["input_ids"], outs):
-                n = len(ids) + len(out["output_ids"]) - 1
-                rows = (np.arange(n * 3 * 2, dtype="<i4").reshape(n, 3, 2) % 8)
-                out["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
-        return outs
+def _routed(prompt, out):
+    """SGLang's routing field for one row (as its tokenizer manager encodes it: base64 of the
+    int32 ``[P + T - 1, num_hidden_layers, topk]`` tensor's bytes)."""
+    n = len(prompt) + len(out["output_ids"]) - 1
+    rows = np.arange(n * 3 * 2, dtype="<i4").reshape(n, 3, 2) % 8
+    out["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
+    return out
 
 
 def test_moe_spec_translates_into_expert_parallel_and_routing(tmp_path, moe_model):
@@ -65,15 +59,23 @@ def test_moe_spec_translates_into_expert_parallel_and_routing(tmp_path, moe_mode
     server = _spec(tmp_path, moe_model, engine="sglang-server", server_urls=["http://rollout:31000"])
     flags = _parse_flags(list(server_command(dataclasses.replace(server, return_routed_experts=True)).argv[3:]))
     assert flags["ep_size"] == 2 and flags["enable_return_routed_experts"] is True
+    colocated = _parse_flags(list(colocated_command(dataclasses.replace(_spec(tmp_path, moe_model),
+                                                                        return_routed_experts=True)).argv[3:]))
+    assert colocated["ep_size"] == 2 and colocated["enable_return_routed_experts"] is True
 
 
-def test_colocated_moe_engine_returns_the_routing(tmp_path, moe_model):
-    kw = engine_kwargs(dataclasses.replace(_spec(tmp_path, moe_model), return_routed_experts=True))
-    eng = build_engine("sglang", kw.pop("model_path"), engine=RoutingSGLangEngine(**kw), **kw)
-    res = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=4))
-    for r, p in zip(res, [[1, 2, 3]] * 2 + [[4, 5]] * 2):
-        n = len(p) + len(r.token_ids) - 1
+def test_sglang_rows_read_the_routing_of_the_moe_layers(moe_model):
+    """Both SGLang engines read a row through ``to_result``: the routing of the MoE layers only."""
+    from megatron_stare.rollout.routed_experts import moe_layout
+
+    moe = moe_layout(str(moe_model))
+    prompts = [[1, 2, 3], [4, 5]]
+    for p, prompt in enumerate(prompts):
+        out = _routed(prompt, fake_generation(prompt, {"max_new_tokens": 5, "stop_token_ids": []}, {}))
+        r = to_result((p, 0), out, moe)
+        n = len(prompt) + len(r.token_ids) - 1
         want = torch.from_numpy((np.arange(n * 3 * 2).reshape(n, 3, 2) % 8)[:, [0, 2]].astype(np.int16))
         assert r.routed_experts.dtype == torch.int16 and torch.equal(r.routed_experts, want)
-    dense = build_engine("sglang", str(moe_model), engine=RoutingSGLangEngine())  # not asked: no routing
-    assert dense.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0].routed_experts is None
+        assert to_result((p, 0), out).routed_experts is None  # not asked: no routing
+        with pytest.raises(RuntimeError, match="SGLang returned no routed experts"):
+            to_result((p, 0), fake_generation(prompt, {"max_new_tokens": 5, "stop_token_ids": []}, {}), moe)

@@ -17,7 +17,13 @@ not change the sampled distribution), sleep mode on GPU, and, inside the trainer
 ``external_launcher`` with a data-parallel size of ``world / tp``.
 
 Preemption inside a step: ``generate`` aborts its requests between engine steps once
-``interrupted()`` (``_abort_on_interrupt``) and raises ``StepInterrupted``.
+``interrupted()`` (``_abort_on_interrupt``) and raises ``StepInterrupted``. Under
+``external_launcher`` at TP > 1 the engine's TP ranks must schedule identically (vLLM's
+``ExecutorWithExternalLauncher``, ``v1/executor/uniproc_executor.py``: the engines "don't need to
+synchronize the states with each other" only while scheduling is deterministic), and each rank
+learns of a signal on its own clock: so before every engine step they agree (an all-reduce MAX
+over the TP group's CPU group) and abort at the same step, or a rank that aborted alone would
+leave the others in the step's all-reduces.
 
 Memory phases: ``LLM.sleep(level=1)`` (weights to host memory, KV cache discarded), then
 ``wake_up(tags=["weights"])`` and, after the weight sync, ``wake_up(tags=["kv_cache"])``. On
@@ -33,6 +39,7 @@ from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import UserError
@@ -166,6 +173,11 @@ class VLLMEngine(RolloutEngine):
             generation_config=generation_config, worker_extension_cls=WORKER_EXTENSION, **llm_kw)
         # vLLM created the default process group only if none existed: then it is ours to end.
         self._owns_dist = owned_dist and not self._external and dist.is_initialized()
+        self._agree_group = None  # the TP ranks that must abort at the same engine step
+        if self._external and tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self._agree_group = get_tp_group().cpu_group
 
     @staticmethod
     def _remove_stale_shm() -> None:
@@ -213,7 +225,7 @@ class VLLMEngine(RolloutEngine):
         real, aborted = engine.step, []
 
         def step():
-            if not aborted and self.interrupted():
+            if not aborted and self._interrupt_agreed():
                 engine.abort_request(list(engine.output_processor.request_states), internal=True)
                 aborted.append(True)
             return real()
@@ -227,6 +239,16 @@ class VLLMEngine(RolloutEngine):
                 del engine.step
             else:
                 engine.step = own
+
+    def _interrupt_agreed(self) -> bool:
+        """``interrupted()``, agreed by the engine's TP ranks (MAX over its CPU group) when they
+        run one engine between them: True on all of them at the same step, or on none."""
+        mine = self.interrupted()
+        if self._agree_group is None:
+            return mine
+        flag = torch.tensor([int(mine)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._agree_group)
+        return bool(flag.item())
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self.check_can_load_weights()

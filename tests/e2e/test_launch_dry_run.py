@@ -10,6 +10,7 @@ torch import, so only the scripts' own paths run as subprocesses.
 """
 
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -228,8 +229,10 @@ def test_slurm_job_relays_the_warning_and_requeues(shim_path, tmp_path, signal_n
     for name, body in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
         (fake / name).write_text(body.format(log=log, code=code))
         (fake / name).chmod(0o755)
-    env = _env(f"{fake}:{shim_path}", SLURM_JOB_ID=42, SLURM_JOB_NODELIST="node0", SLURM_JOB_NUM_NODES=1)
     sbatch = ROOT / "launch" / "slurm_32b.sbatch"
+    cpus = re.search(r"^#SBATCH --cpus-per-task=(\d+)$", sbatch.read_text(), re.M).group(1)
+    env = _env(f"{fake}:{shim_path}", SLURM_JOB_ID=42, SLURM_JOB_NODELIST="node0", SLURM_JOB_NUM_NODES=1,
+               SLURM_CPUS_PER_TASK=cpus)  # what sbatch sets from its --cpus-per-task
     assert "#SBATCH --signal=B:USR1@" in sbatch.read_text()
     proc = subprocess.Popen(["bash", str(sbatch)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -251,3 +254,5 @@ def test_slurm_job_relays_the_warning_and_requeues(shim_path, tmp_path, signal_n
     assert proc.returncode == code, out + err + calls
     assert ("srun got USR1" in calls) == bool(signal_name)
     assert ("scontrol requeue 42" in calls) == (code == 75), calls
+    # srun (Slurm >= 22.05) does not inherit sbatch's --cpus-per-task: the job passes it again.
+    assert f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task={cpus} " in calls, calls

@@ -75,6 +75,15 @@ def run(shim_path):
     return _run
 
 
+def _takes_the_offload_advice(out: str) -> None:
+    """A recipe whose engine cannot hold a replica's whole batch at once runs with the
+    offload the plan recommends (``trainer.offload=all`` frees the trainer's state for KV cache)."""
+    holds = int(re.search(r"the pool holds (\d+) full-length sequences at once", out).group(1))
+    batch = int(re.search(r"instances x (\d+) sequences", out).group(1))
+    advised = re.search(r"trainer\.offload=none \(with trainer\.offload=all: .*?(\d+) -> (\d+) full-length", out)
+    assert holds >= batch or advised is None, f"the plan advises trainer.offload=all: {advised.group(0)}"
+
+
 def test_32b_dry_run_fits_on_4_nodes(run):
     """The README's line, as written, with PATH's python unable to run the project."""
     res = run(SCRIPTS["32b"][0], "--dry-run", NNODES=4, GPUS_PER_NODE=8)
@@ -83,6 +92,8 @@ def test_32b_dry_run_fits_on_4_nodes(run):
     assert "32.76B parameters" in out and "tp 8 x pp 2 x cp 2 x dp 1 = 32" in out
     assert "vllm on the trainer's GPUs, engine tp 8 -> 4 instances" in out and "fits" in out
     assert "checkpoint save: 427 GiB, about 91 s" in out  # 4 nodes (tests/unit/test_save_estimate.py)
+    _takes_the_offload_advice(out)
+    assert "the pool holds 82 full-length sequences at once" in out  # 49 without the offload
     print(out)
 
 
@@ -95,6 +106,7 @@ def test_30b_a3b_dry_run_plans_the_experts(run):
     assert "30.53B parameters" in out and "tp 2 x pp 2 x cp 1 x dp 8 = 32" in out
     assert "ep 8 x etp 1 -> 16 experts per rank" in out and "sharded over edp 2" in out
     assert "routing replay r3: 1152 B/token" in out and "MoE dispatcher buffers" in out and "fits" in out
+    _takes_the_offload_advice(out)  # its engine holds the whole batch: no offload needed
 
 
 def test_bad_config_is_one_line_exit_2(run):
@@ -108,6 +120,8 @@ def test_other_scripts_dry_run(run, name, env):
     res = run(SCRIPTS[name][0], "--dry-run", **env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Peak:" in res.stdout and "fits" in res.stdout
+    if name == "7b":
+        _takes_the_offload_advice(res.stdout)
 
 
 def test_slurm_maps_its_environment(run):

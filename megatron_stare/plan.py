@@ -193,8 +193,11 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
         eng_kv = kv_needed
     concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
 
+    # SGLang's other TP ranks map the weight buckets on their leader's GPU: a context each there.
+    ipc = (etp - 1) * a.ipc_context_gib if colocated and r.engine == "sglang" else 0.0
     shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
-                  engine_asleep_gib=eng_sleep, runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
+                  engine_asleep_gib=eng_sleep, ipc_contexts_gib=ipc,
+                  runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
     # The sync's staging by rank role (plan_sync.py): the whole-tensor export to a colocated
     # engine on every rank, else the piece export's collector.
     staging = {i: sync_staging(stage=i, pp=pp, tp=tp, bucket=r.sync_bucket_mb * 2.0 ** 20, esize=wbytes,

@@ -38,6 +38,10 @@ class Assumptions:
     """A colocated engine's profiled activations and CUDA graphs while awake (inside its budget)."""
     engine_asleep_gib: float = 1.0
     """What a sleeping colocated engine keeps (CUDA-graph pools, its own communicators)."""
+    ipc_context_gib: float = 0.5
+    """A CUDA context one process opens on another's GPU to map its memory over CUDA IPC: each
+    of a colocated SGLang engine's TP ranks but the first maps the weight buckets on its group
+    leader's GPU (``rollout/sglang_engine.py``), and keeps that context for its life."""
     moe_imbalance: float = 1.5
     """Mixture of experts: the busiest rank's routed tokens over the mean (``plan_moe.py``)."""
 
@@ -121,6 +125,7 @@ _COMPONENTS = (
     ("engine_workspace_gib", "engine workspace", lambda p: p.engine is EngineMemory.AWAKE),
     ("engine_asleep_gib", "engine while released", lambda p: p.engine is not EngineMemory.AWAKE),
     ("sync_bucket_gib", "weight-sync staging", lambda p: p.sync_bucket),
+    ("ipc_contexts_gib", "engine TP ranks' IPC contexts", _always),
     ("runtime_gib", "runtime (context, NCCL, slack)", _always),
 )
 
@@ -176,6 +181,8 @@ class MemoryPlan:
     """``trainer.offload``: what leaves the GPU from the offload phase to the onload phase."""
     dispatcher_gib: float = 0.0
     routing_gib: float = 0.0
+    ipc_contexts_gib: float = 0.0
+    """Colocated SGLang at TP > 1, on its group leader's GPU: ``(tp - 1) * ipc_context_gib``."""
     moe: Optional[MoEPlan] = None
     """The mixture-of-experts terms (``plan_moe.py``); None for a dense model."""
 

@@ -14,6 +14,13 @@ QWEN32 = ROOT / "examples" / "configs" / "qwen2.5-32b.json"
 QWEN7 = ROOT / "examples" / "configs" / "qwen2.5-7b.json"
 YAML32 = ROOT / "examples" / "qwen2.5_32b_longcot.yaml"
 YAML7 = ROOT / "examples" / "qwen2.5_7b_shortcot.yaml"
+#: The 32B recipe without the offload its plan advises (and the recipe takes): the hand numbers
+#: below are for trainer state resident during the rollout, at vLLM's budget of 0.55.
+NO_OFFLOAD32 = ["trainer.offload=none", "rollout.gpu_memory_utilization=0.55"]
+
+
+def _cfg32(*overrides):
+    return load_config(str(YAML32), [*NO_OFFLOAD32, *overrides])
 
 
 def _hand_total(V, h, layers, heads, kv, ffn, tied=False):
@@ -65,7 +72,7 @@ def test_activation_formula_reduces_to_korthikanti():
 
 
 def test_memory_components_32b_by_hand():
-    cfg = load_config(str(YAML32))
+    cfg = _cfg32()
     plan = estimate_memory(cfg, json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
     L = plan.layout
     assert (L.tp, L.pp, L.cp, L.dp, L.layers_per_stage) == (8, 2, 2, 1, 32)
@@ -173,7 +180,7 @@ def test_plan_phases_are_the_training_loops():
 
     assert PHASES == tuple(p.name for p in STEP) == (
         "generate", "gather", "score", "release", "onload", "train", "resume_w", "sync", "offload", "resume_kv")
-    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    p = estimate_memory(_cfg32(), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
     ph = p.phases
     awake = p.engine_weights_gib + p.engine_kv_gib + p.engine_workspace_gib
     assert ph["generate"] == ph["gather"] == ph["score"] == ph["resume_kv"] == p.peak_gib
@@ -204,7 +211,7 @@ def test_offload_line_32b_and_7b_by_hand():
     # Stage 0 (embedding, no final norm) frees least; optimizer shards over dp*cp = 2.
     n0 = rank_params(5120, 40, 8, 27648, 32, 152576, 8, embeddings=1, final_norm=False)
     for level, per_param in (("all", 2 + 4 + 12 / 2), ("optimizer", 4 + 12 / 2)):
-        p = estimate_memory(load_config(str(YAML32), [f"trainer.offload={level}"]),
+        p = estimate_memory(_cfg32(f"trainer.offload={level}"),
                             json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
         o = p.layout.offload
         assert o.level == level and o.freed_gib == pytest.approx(n0 * per_param / GiB)
@@ -217,8 +224,8 @@ def test_offload_line_32b_and_7b_by_hand():
         assert f"{o.sequences_before} -> {o.sequences_after} full-length sequences per replica" in p.format()
     assert (o.utilization_after, o.sequences_after) == (0.78, 76)  # 'optimizer': 19.1 GiB
     # The offloaded rows are gone from the generate column (all: 22.9 GiB of the stage's state).
-    p = estimate_memory(load_config(str(YAML32), ["trainer.offload=all"]), json.loads(QWEN32.read_text()), 32, 80)
-    plain = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), 32, 80)
+    p = estimate_memory(_cfg32("trainer.offload=all"), json.loads(QWEN32.read_text()), 32, 80)
+    plain = estimate_memory(_cfg32(), json.loads(QWEN32.read_text()), 32, 80)
     assert plain.layout.offload.level == "none" and "with trainer.offload=all" in plain.format()
     assert p.phases["generate"] == pytest.approx(plain.phases["generate"] - (
         plain.weights_gib + plain.main_grads_gib + plain.optimizer_gib))
@@ -242,7 +249,7 @@ def test_sync_staging_by_role_and_first_sync_by_hand():
     B32, B7 = 1024 * 2**20, 512 * 2**20
     # 32B last stage, TP8 PP2, bf16: the padded output layer 152576 x 5120; fc1 2 x 27648 x 5120;
     # the HF lm_head / embed_tokens 152064 x 5120 (1.45 GiB) exceed a 1 GiB bucket.
-    p = estimate_memory(load_config(str(YAML32)), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
+    p = estimate_memory(_cfg32(), json.loads(QWEN32.read_text()), world_size=32, gpu_mem_gb=80)
     st = p.layout.sync_staging
     hf_vocab = 152064 * 5120 * 2
     assert (st.gather, st.join) == (152576 * 5120 * 2, 2 * 27648 * 5120 * 2)
@@ -252,10 +259,10 @@ def test_sync_staging_by_role_and_first_sync_by_hand():
     assert p.fits and p.layout.first_sync_gib > p.peak_gib  # 79.3 of 80 GiB: the tightest moment
     assert "the first sync (start, resume) runs with the engine awake" in p.format()
     # A larger bucket makes the first sync the reason it does not fit; offload runs it released.
-    big = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048"]),
+    big = estimate_memory(_cfg32("rollout.sync_bucket_mb=2048"),
                           json.loads(QWEN32.read_text()), 32, 80)
     assert not big.fits and "the first weight sync" in big.reasons[0] and "trainer.offload" in big.reasons[0]
-    off = estimate_memory(load_config(str(YAML32), ["rollout.sync_bucket_mb=2048", "trainer.offload=all"]),
+    off = estimate_memory(_cfg32("rollout.sync_bucket_mb=2048", "trainer.offload=all"),
                           json.loads(QWEN32.read_text()), 32, 80)
     assert off.fits and off.layout.first_sync_gib == off.phases["sync"]
     # 7B, TP2 PP1, 512 MiB buckets: vocab 152064 is already a multiple of 256; no other stage.
@@ -278,11 +285,11 @@ def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
     hf32, hf7 = json.loads(QWEN32.read_text()), json.loads(QWEN7.read_text())
-    auto = estimate_memory(load_config(str(YAML32), ["parallel.recompute=auto"]), hf32, 32, 80)
-    none = estimate_memory(load_config(str(YAML32), ["parallel.recompute=none"]), hf32, 32, 80)
+    auto = estimate_memory(_cfg32("parallel.recompute=auto"), hf32, 32, 80)
+    none = estimate_memory(_cfg32("parallel.recompute=none"), hf32, 32, 80)
     assert auto.layout.recompute == "none" and auto.phases == none.phases
     assert "recompute auto -> none: the train phase fits with no recompute (41.4 GiB of 80" in auto.format()
-    full = estimate_memory(load_config(str(YAML32)), hf32, 32, 80)
+    full = estimate_memory(_cfg32(), hf32, 32, 80)
     assert full.layout.recompute == "full" and "auto would choose: recompute auto -> none" in full.format()
     assert full.phases["train"] < none.phases["train"] - 10  # what full recompute saves, unneeded here
     choice, why = choose_recompute(load_config(str(YAML7)), hf7, 8, 72)
@@ -294,3 +301,14 @@ def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
         c = transformer_config(TINY_SPEC, 1, 1, recompute=choice)
         assert c.recompute_granularity == granularity
     assert transformer_config(TINY_SPEC, 1, 1, recompute="full").recompute_method == "uniform"
+
+
+def test_colocated_sglang_budgets_its_tp_ranks_ipc_contexts():
+    """Colocated SGLang at TP > 1: its other TP ranks map the weight buckets on the group leader's
+    GPU over CUDA IPC, a CUDA context each there (rollout/sglang_engine.py); vLLM opens none."""
+    hf = json.loads(QWEN7.read_text())
+    vllm = estimate_memory(load_config(str(YAML7), ["rollout.tp=4"]), hf, 8, 80)
+    sgl = estimate_memory(load_config(str(YAML7), ["rollout.engine=sglang", "rollout.tp=4"]), hf, 8, 80)
+    assert vllm.ipc_contexts_gib == 0 and sgl.ipc_contexts_gib == pytest.approx(3 * 0.5)
+    assert sgl.phases["train"] == pytest.approx(vllm.phases["train"] + 1.5)
+    assert "engine TP ranks' IPC contexts" in sgl.format()

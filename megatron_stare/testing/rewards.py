@@ -49,3 +49,9 @@ def slow_parity_reward(response: str, answer: str, metadata: dict) -> float:
 
     time.sleep(SLOW_REWARD_S)
     return parity_reward(response, answer, metadata)
+
+
+def parity_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """``parity_reward`` with verl's ``compute_score`` signature: a reward any model's samples
+    split on, so a real model's first steps move its weights (a correct-answer reward may not)."""
+    return parity_reward(solution_str, ground_truth, extra_info or {})

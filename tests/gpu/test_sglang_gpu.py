@@ -2,7 +2,9 @@
 real SGLang, both built from a config file through the trainer's path, checked against
 transformers across weight swaps A -> B -> A; the memory phases really free and restore GPU
 memory (``torch.cuda.mem_get_info``: SGLang's memory saver maps its memory outside PyTorch's
-caching allocator, in its scheduler processes); the log-prob convention at temperature 0.7.
+caching allocator, in its scheduler processes); the log-prob convention at temperature 0.7. The
+colocated engine is an SGLang server the test's process spawns (``rollout/sglang_engine.py``),
+started here under a torchrun worker's environment.
 
 Skipped cleanly without CUDA or without sglang installed (SGLang has no CPU path; the CPU tests
 check the same adapters against SGLang's recorded API: tests/unit/test_rollout_sglang.py).
@@ -61,11 +63,14 @@ def _free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def test_sglang_colocated_phases_swaps_and_logprobs(models):
+def test_sglang_colocated_phases_swaps_and_logprobs(models, monkeypatch):
     import transformers
 
     root, a, b, ref_a, ref_b = models
     cfg = _config(root, a, engine="sglang")
+    # Built as in a torchrun worker: its TORCHELASTIC_* must not reach SGLang's rendezvous.
+    for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
     spec, eng = engine_for_rank(cfg, EngineWorld(cuda=True, local_world_size=torch.cuda.device_count()))
     try:
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)

@@ -33,5 +33,7 @@ def test_dry_run_without_gpu_plans_and_does_nothing(tmp_path):
     lines = out.stdout.splitlines()
     assert any("skip: no CUDA GPU" in ln for ln in lines)
     assert any(ln.startswith("[gpu-check] sglang: not installed -> skipped") for ln in lines)
-    assert "300" in lines[-1] and "tests/gpu" in lines[-1] and str(deps) in lines[-1]
+    # The cluster paths (docs/cluster-paths.md) first, then the rest of tests/gpu, in one budget.
+    assert "first: pytest tests/gpu/test_cluster_paths_gpu.py" in lines[-2] and str(deps) in lines[-2]
+    assert "300" in lines[-1] and "pytest tests/gpu --ignore=tests/gpu/test_cluster_paths_gpu.py" in lines[-1]
     assert not deps.exists()

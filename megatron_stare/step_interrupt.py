@@ -4,9 +4,9 @@ The trainer's state at the start of a step (weights, optimizer, sampler, control
 batches in flight) is unchanged until the step's first optimizer update (phase ``train``). So a
 preemption signal during ``generate`` or ``score`` (``rollout/phases.py``) need not wait for the
 step to end: the engines stop (``RolloutEngine.interrupted``: the hf engine between decode steps,
-the colocated vLLM between engine steps by aborting its requests, the server engines by aborting
-theirs over HTTP; the colocated ``sglang`` engine, whose ``Engine.generate`` is not cut, finishes
-its call and the step stops at the phase's exit), scoring stops (the reward pool between responses, an inline reward call from
+the colocated vLLM between engine steps by aborting its requests, its TP ranks agreeing on the
+step; the server engines, the colocated ``sglang`` one included, by aborting theirs over HTTP),
+scoring stops (the reward pool between responses, an inline reward call from
 the signal handler), and the checkpoint of ``step`` (= the steps done) is written from the state
 recorded as the step started, exactly as if the signal had come at the boundary; the rerun
 regenerates the step as the uninterrupted run did. In any other phase (the update, the weight

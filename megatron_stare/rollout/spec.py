@@ -12,8 +12,8 @@ Placement (``ENGINE_TRAITS``), per engine:
   engine's TP groups tile the world and are its ``world / tp`` data-parallel replicas. The
   ranks of one replica make the same calls; each replica generates its own slice of the
   prompts (``rollout/data_parallel.py``).
-- ``sglang``: one ``sglang.Engine`` per group of ``rollout.tp`` consecutive ranks, held by
-  the group's first rank (the leader), on the GPUs ``base_gpu_id .. base_gpu_id + tp - 1``
+- ``sglang``: one SGLang server per group of ``rollout.tp`` consecutive ranks, spawned and
+  driven by the group's first rank (the leader; ``sglang_engine.py``), on the GPUs ``base_gpu_id .. base_gpu_id + tp - 1``
   of that node, which it shares with the trainer ranks of its group; each leader generates
   its group's slice of the prompts.
 - ``hf``, ``vllm-server``, ``sglang-server``: a client on the driver rank (rank 0). A

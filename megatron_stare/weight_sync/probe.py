@@ -145,7 +145,7 @@ class SyncProbe:
         mean_b, max_b = self.bound
         if gap.mean <= mean_b and gap.max <= max_b:
             return gap
-        worst = max(range(len(gap.sample_mean)), key=lambda i: gap.sample_mean[i])
+        worst = max(range(len(gap.sample_mean)), key=lambda i: max(gap.sample_mean[i] / mean_b, gap.sample_max[i] / max_b))
         at = f" ({where[worst]})" if where and where[worst] else ""
         raise SyncCheckError(
             f"weight sync check: the {engine} engine{at} is off the trainer after the sync of step {step}: "

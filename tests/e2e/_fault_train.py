@@ -29,6 +29,9 @@ rank it strikes (default: every rank). Kinds:
   ``SLOW_REWARD_S`` longer, and the rank signals itself ``SIGNAL_AFTER_S`` into its scoring.
 - ``sigterm-in-sync``: the rank signals itself as the step's weight sync starts; the sync and
   the step finish, and the run stops at the boundary.
+- ``stale-sync``: the step's weight sync does not reach the rank's (colocated or hf) engine's
+  embedding: every other tensor arrives, the embedding stays at the previous step's values (a
+  stale engine; ``rollout.verify_sync=probe`` must stop the run).
 
 Each signal is announced on stderr as ``[fault] rank R sends SIGTERM at <unix time>`` (the tests
 measure the time to exit from it).
@@ -59,7 +62,7 @@ from megatron_stare import train
 from megatron_stare.preemption import leave
 
 KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1",
-         "sigterm-in-generate", "sigterm-in-score", "sigterm-in-sync", "slow-write")
+         "sigterm-in-generate", "sigterm-in-score", "sigterm-in-sync", "slow-write", "stale-sync")
 LONG_NEW_TOKENS, SLOW_DECODE_S = 400, 0.05  # a generation of >= 20 s
 SLOW_REWARD_S = 3.0  # 8 responses per rank: >= 24 s of scoring
 SIGNAL_AFTER_S = 2.0
@@ -205,6 +208,15 @@ class FaultyTrainer(train.Trainer):
                 stack.enter_context(mock.patch.object(self.pool, "fn", slow_reward))
                 if here:
                     stack.enter_context(mock.patch.object(self, "score", signalled_score))
+            elif kind == "stale-sync":
+                if self.engine is None:
+                    raise SystemExit(f"--fault {kind}: rank {self.rank} has no rollout engine")
+                update = self.engine.update_weights
+
+                def without_embedding(named_tensors):
+                    return update((n, t) for n, t in named_tensors if "embed_tokens" not in n)
+
+                stack.enter_context(mock.patch.object(self.engine, "update_weights", without_embedding))
             elif kind == "sigterm-in-sync":
                 sync = self.sync_weights
 

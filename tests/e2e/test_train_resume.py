@@ -204,6 +204,26 @@ def test_disk_full_during_save_is_one_line_and_the_last_checkpoint_stays(assets,
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002"]
 
 
+def test_a_stale_engine_stops_the_run_in_one_line_before_training_on_its_samples(assets, tmp_path):
+    """Step 3's sync does not reach the hf engine's embedding (the fault): the probe after that
+    sync (``rollout.verify_sync=probe``, every sync here) finds the engine off the trainer and the
+    run ends with exit 1 and one line naming the engine, the step and the gap; step 3 is not
+    logged or saved (its samples were never trained on: the next step did not start), step_2
+    stays the latest checkpoint. Steps 1-2's probes were within the fp32 bound."""
+    out = _run(assets, tmp_path, "rollout.verify_sync_every=1", fault="stale-sync@3:0", expect=None)
+    assert out.returncode == 1, out.stderr[-4000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-4000:]
+    assert re.search(r"the hf engine is off the trainer after the sync of step 3: probe log-prob gap "
+                     r"[\d.e+-]+ mean / [\d.e+-]+ max", errors[0]), errors[0]
+    assert "[rank" not in out.stderr  # no rank's traceback (torchrun's own summary follows any exit 1)
+    rows = read_metrics(str(tmp_path / "logs" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/probe_mean_abs_logp"] < 1e-4 and r["grad_norm"] > 0 for r in rows)
+    assert _complete(tmp_path) == "step_00000002"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+
+
 def test_sigterm_on_one_rank_saves_at_the_boundary_and_resumes_exactly(assets, uninterrupted, tmp_path):
     """Rank 1 alone gets SIGTERM mid-step 3: both ranks finish step 3, agree to stop, save
     step_3 (not a save_every step), exit 75; the resumed run matches the full one.

@@ -44,7 +44,7 @@ def test_defaults_and_example_load(files):
 def test_overrides_are_typed(files):
     cfg = load_config(None, files + ["optimizer.lr=3e-6", "parallel.tp=2", "rollout.verify_sync=true",
                                      "algorithm.clip_ratio_c=null", "algorithm.stare.variant=C2"])
-    assert cfg.optimizer.lr == 3e-6 and cfg.parallel.tp == 2 and cfg.rollout.verify_sync is True
+    assert cfg.optimizer.lr == 3e-6 and cfg.parallel.tp == 2 and cfg.rollout.verify_sync == "checksums"
     assert cfg.algorithm.clip_ratio_c is None and cfg.algorithm.stare.variant == "C2"
 
 
@@ -60,7 +60,7 @@ def test_overrides_are_typed(files):
     (["optimizer.lr=fast"], 1, "optimizer.lr must be a float, got 'fast' (str)"),
     (["parallel.tp=two"], 1, "parallel.tp must be an integer, got 'two'"),
     (["rollout.n=2.5"], 1, "rollout.n must be an integer"),
-    (["rollout.verify_sync=maybe"], 1, "rollout.verify_sync must be true or false"),
+    (["rollout.verify_sync=maybe"], 1, "rollout.verify_sync must be one of 'probe', 'checksums', 'off' or true or false"),
     (["rollout.engine=tgi"], 1, "rollout.engine must be one of 'hf', 'vllm'"),
     (["model.path=/nonexistent/model"], 1, "model.path: directory not found: /nonexistent/model"),
     (["data.train_path=/nonexistent.jsonl"], 1, "data.train_path: file not found"),

@@ -109,7 +109,8 @@ else
 fi
 
 # 2. What it lacks and skips.
-for mod in vllm:"tests/gpu/test_vllm_gpu.py" sglang:"tests/gpu/test_sglang_gpu.py" \
+for mod in vllm:"tests/gpu/test_vllm_gpu.py" \
+           sglang:"tests/gpu/test_sglang_gpu.py and test_cluster_paths_gpu.py's TP2 test (its CUDA-IPC payload test runs without SGLang)" \
            transformer_engine:"the TE layer spec and test_te_attention_gpu.py (the tests choose the torch attention: model.attention_backend=torch)" \
            apex:"Apex fused kernels (torch's run instead)"; do
   name=${mod%%:*}; what=${mod#*:}

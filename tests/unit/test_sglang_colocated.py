@@ -114,7 +114,7 @@ def test_a_torchrun_workers_environment_breaks_sglangs_rendezvous():
         import multiprocessing as mp, os, socket
         from megatron_stare.rollout.spawned import server_environ
         from tests.fixtures.fake_sglang.sglang import launch_server as fake
-        fake.RENDEZVOUS_TIMEOUT_S = 3
+        fake.RENDEZVOUS_TIMEOUT_S = 1
         for env in (dict(os.environ), server_environ()):  # the worker's, then a spawned server's
             os.environ.clear(); os.environ.update(env)
             s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()

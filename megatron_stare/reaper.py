@@ -16,6 +16,13 @@ session of its own (no signal to the rank's process group reaches it). The watch
 process carrying the mark, SIGKILL after ``GRACE_S`` to what is left, and exits: a few seconds
 after the rank, nothing of it remains.
 
+The rank is known by the pid in the token, not by the parent the watchdog first sees: a rank that
+ends before the watchdog's interpreter has started (a config error right after ``install()``)
+has already handed it to init, and a watchdog that took ``getppid()`` then as "the rank" would
+wait forever. ``getppid() == pid`` holds exactly while the rank lives, and a reused pid cannot
+pass it: an orphan is adopted by a process that already exists (init, a subreaper), never by a
+new one that got the dead rank's pid.
+
     python -m megatron_stare.reaper TOKEN     (started by install(); not for people)
 """
 
@@ -85,8 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (token,) = sys.argv[1:] if argv is None else argv
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # ends only after the rank, whatever the rank is sent
-    parent = os.getppid()
-    while os.getppid() == parent:
+    rank = int(token.rpartition(":")[2])  # install()'s pid: the watchdog's parent while it lives
+    while os.getppid() == rank:
         time.sleep(POLL_S)
     _end_all(token)
     return 0

@@ -28,6 +28,16 @@ sys.exit(3)  # a plain exit without ending the children (an exception past every
 """
 
 
+# A rank that ends right after starting its watchdog (a config error just past install()): it is
+# gone before the watchdog's interpreter has started, so the watchdog never sees it as its parent.
+RANK_AT_ONCE = r"""
+import sys
+from megatron_stare.reaper import install
+install()
+sys.exit(2)
+"""
+
+
 def _wait_gone(run: str, timeout: float) -> list:
     deadline = time.monotonic() + timeout
     while (left := marked_processes("REAPER_TEST_RUN", run)) and time.monotonic() < deadline:
@@ -44,3 +54,15 @@ def test_a_dead_rank_leaves_no_process(how):
     assert proc.returncode == (-signal.SIGKILL if how == "sigkill" else 3)
     left = _wait_gone(run, 10.0)
     assert not left, f"processes of the dead rank remain: {left}"
+
+
+def test_a_rank_that_exits_at_once_leaves_no_watchdog(tmp_path):
+    run = uuid.uuid4().hex
+    env = {**os.environ, "REAPER_TEST_RUN": run}  # the watchdog inherits it, so it is looked for too
+    # Output to a file, not a pipe: the watchdog inherits the rank's stdio, and a pipe would keep
+    # subprocess.run waiting for a watchdog that never ends instead of reaching the assertion.
+    with open(tmp_path / "rank.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-c", RANK_AT_ONCE], env=env, stdout=log, stderr=log, timeout=60)
+    assert proc.returncode == 2, (tmp_path / "rank.log").read_text()
+    left = _wait_gone(run, 5.0)
+    assert not left, f"the dead rank's watchdog remains: {left}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -86,6 +87,34 @@ def _repack_stale_kernels(before: Dict[torch.nn.Module, object]) -> int:
     return rebuilt
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's layer-wise reload warns "<Layer>: Failed to load weights" for every layer that
+    received no tensor: a tied head (its weight arrives through the embedding, and
+    ``_repack_stale_kernels`` rebuilds its kernel) and parameter-free layers (the rotary
+    embedding's cache is a buffer). Those are expected at every sync; any other layer's warning
+    (a tensor the sync did not carry) still reaches the console."""
+
+    def __init__(self, expected):
+        super().__init__()
+        self.expected = set(expected)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.expected)
+
+
+@contextmanager
+def _quiet_expected_reload_warnings(model: torch.nn.Module, tied: Dict[torch.nn.Module, object]):
+    expected = {type(m).__name__ for m in tied} | {type(m).__name__ for m in model.modules()
+                                                    if not any(True for _ in m.parameters(recurse=False))
+                                                    and "Rotary" in type(m).__name__}
+    logger, f = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"), _ExpectedReloadWarnings(expected)
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
 class StareWorkerExtension:
     """Weight update, checksum and weight-group methods for a vLLM worker."""
 
@@ -111,7 +140,8 @@ class StareWorkerExtension:
         model = self.model_runner.get_model()
         _forget_cpu_moe_kernels(model)
         tied = _tied_cpu_kernels(model)
-        self.reload_weights(weights_iterator=stream())
+        with _quiet_expected_reload_warnings(model, tied):
+            self.reload_weights(weights_iterator=stream())
         counts["repacked_tied"] = _repack_stale_kernels(tied)
         self._stare_received = received
         return counts

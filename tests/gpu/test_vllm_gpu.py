@@ -108,3 +108,22 @@ def test_gpu_spawned_server_sleeps_and_takes_weights(tmp_path_factory):
         assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
     finally:
         eng.shutdown()
+
+
+def test_gpu_tied_head_follows_a_sync(tmp_path):
+    """The tied-head defect of vLLM-CPU (a head kernel packed from the old weights) should not
+    exist on GPU, where the unquantized head reads ``layer.weight`` itself: after syncs to B and
+    back to A, a tied model's greedy tokens and log-probs are transformers' at each."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    a = build_tiny_hf_model("llama", tmp_path / "A", seed=0, tie_word_embeddings=True)
+    b = build_tiny_hf_model("llama", tmp_path / "B", seed=1, tie_word_embeddings=True)
+    cfg = write_engine_config(tmp_path / "run.yaml", a, engine="vllm", gpu_memory_utilization=0.2)
+    _, eng = engine_from_config_file(cfg, EngineWorld(cuda=True))
+    try:
+        for model in (b, a):
+            eng.update_weights(stream_state_dict(model))
+            assert_matches_reference(eng.generate(PROMPTS, GREEDY), reference_outputs(model, PROMPTS, MAX_NEW))
+    finally:
+        eng.shutdown()

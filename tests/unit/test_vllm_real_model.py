@@ -104,11 +104,22 @@ def test_probe_is_chat_templated_real_tokens_with_a_shared_prefix_longer_than_a_
     assert shared > 16 and all(len(p) <= MAX_PROMPT - 16 for p in probe.prompts)  # vLLM's block: 16
 
 
-@pytest.mark.parametrize("engine_name", ["vllm", "hf"])
-def test_engine_equals_the_trainer_after_two_syncs_of_moved_weights(real, engine_name):
+@pytest.fixture(scope="module")
+def vllm_engine(real):
     tok, hf, base, probe, root = real
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _, eng = engine_from_config_file(_config(root / f"{engine_name}.yaml", hf.name_or_path, engine_name))
+    _, eng = engine_from_config_file(_config(root / "vllm.yaml", hf.name_or_path, "vllm"))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "hf"])
+def test_engine_equals_the_trainer_after_two_syncs_of_moved_weights(real, engine_name, request):
+    tok, hf, base, probe, root = real
+    if engine_name == "vllm":
+        eng = request.getfixturevalue("vllm_engine")
+    else:
+        _, eng = engine_from_config_file(_config(root / "hf.yaml", hf.name_or_path, "hf"))
     try:
         sd = base
         for sync in (1, 2):
@@ -118,16 +129,8 @@ def test_engine_equals_the_trainer_after_two_syncs_of_moved_weights(real, engine
             gap = probe.check(_gap(eng, hf, sd, probe), sync, engine_name, [])
             assert gap.mean < 1e-4 and gap.max < 1e-3, (sync, gap)
     finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def vllm_engine(real):
-    tok, hf, base, probe, root = real
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _, eng = engine_from_config_file(_config(root / "stale.yaml", hf.name_or_path, "vllm"))
-    yield eng
-    eng.shutdown()
+        if engine_name == "hf":
+            eng.shutdown()
 
 
 @pytest.mark.parametrize("stale", ["model.embed_tokens.weight", "model.layers.10.self_attn.o_proj.weight",
@@ -146,3 +149,23 @@ def test_a_sync_that_skips_a_tensor_is_caught_by_the_probe(real, vllm_engine, st
     vllm_engine.update_weights(iter(base.items()))  # the whole sync: the engine holds base again
     if stale.startswith("model.embed"):
         assert probe.check(_gap(vllm_engine, hf, base, probe), 5, "vllm", []).mean < 1e-4
+
+
+def test_a_chat_answer_stops_at_im_end_as_transformers_does(real, vllm_engine):
+    """EOS handling on the real model: ChatML's ``<|im_end|>`` (the generation config's EOS, id 2)
+    ends a greedy answer with finish reason ``stop``, on the tokens transformers generates."""
+    from megatron_stare.rollout import SamplingParams
+
+    tok, hf, base, *_ = real
+    vllm_engine.update_weights(iter(base.items()))
+    hf.load_state_dict(base, strict=False)
+    hf.tie_weights()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    (r,) = vllm_engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=48))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    assert r.finish_reason == "stop" and r.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") == 2
+    assert r.token_ids == ref[:len(r.token_ids)] and ref[len(r.token_ids) - 1] == 2
+    assert "7" in tok.decode(r.token_ids, skip_special_tokens=True)

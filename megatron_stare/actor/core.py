@@ -132,7 +132,7 @@ class MegatronActor:
         for _ in range(ppo_epochs):
             for micro_batches, plan in zip(batches, plans):
                 r = train_mini_batch(self.model, self.optimizer, self.scheduler, micro_batches, plan, ctx,
-                                     g, self.s.optimizer.clip_grad, self.replay)
+                                     g, self.s.optimizer.clip_grad, self.replay, self.expert_load)
                 result.skipped_steps += 0 if r.applied else 1
                 result.loss.append(r.loss)
                 result.grad_norm.append(r.grad_norm)

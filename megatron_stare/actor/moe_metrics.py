@@ -2,12 +2,14 @@
 auxiliary losses as megatron-core computed them.
 
 ``ExpertLoad`` counts, while ``active``, the tokens each router sends to each expert (top-k:
-a token counts once for each of its k experts), from forward hooks on the routers; a pre-hook
-on the model marks a packed row's real tokens so that padding (slot padding, the sequence
-parallel multiple) is not counted. Padded micro-batches (``pack_sequences: false``) and
-context parallel count their padding rows too (the hook sees no lengths there). ``metrics``
-sums the counts over all ranks (each token is routed on one rank of its TP group under
-sequence parallel, on every TP rank without it) and reports per MoE layer ``i``:
+a token counts once for each of its k experts), from forward hooks on the routers. Only real
+tokens count: ``feed``, called with each micro-batch before its forward, marks them in the
+routers' token order (``routing_replay.real_tokens``), so that no padding is counted - a packed
+row's slot padding and sequence parallel multiple, a padded row's tail, and under context
+parallel the padding in this rank's chunks of each slot (which differs with the layout, so
+counting it made the metric layout-dependent). ``metrics`` sums the counts over all ranks (each
+token is routed on one rank of its TP group under sequence parallel, on every TP rank without
+it) and reports per MoE layer ``i``:
 
 - ``moe/layer{i}/load_max``: the busiest expert's share of the layer's routed tokens over the
   mean share (1 = perfectly balanced, ``num_experts`` = every token to one expert);
@@ -26,8 +28,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stare.actor.routing_replay import real_tokens
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.parallel import ParallelGroups
+from megatron_stare.types import MicroBatch
 
 
 class ExpertLoad:
@@ -39,33 +43,22 @@ class ExpertLoad:
         self.active = False
         self._real: Optional[torch.Tensor] = None
         self._handles = []
-        inner = unwrap(model)
-        self._handles.append(inner.register_forward_pre_hook(self._mark_real, with_kwargs=True))
-        for layer in inner.decoder.layers:
+        for layer in unwrap(model).decoder.layers:
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 self._handles.append(router.register_forward_hook(self._hook(layer.layer_number - 1)))
 
-    def _mark_real(self, module, args, kwargs) -> None:
-        """Real row positions of a packed row ``[1, t]`` (this CP rank's), sliced as the router
-        sees them under sequence parallel; None (count all) for padded rows and under CP."""
-        self._real = None
-        params = kwargs.get("packed_seq_params")
-        lay = self.groups.layout
-        if params is None or lay.cp > 1 or not self.active:
-            return
-        slots = params.slot_lengths
-        lens = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
-        real = torch.cat([torch.arange(s) < n for n, s in zip(lens, slots)])
-        if lay.sequence_parallel:
-            real = real.chunk(lay.tp)[self.groups.tp_rank]
-        self._real = real
+    def feed(self, mb: MicroBatch) -> None:
+        """Before ``mb``'s forward on this stage (while ``active``): which router tokens are real."""
+        self._real = real_tokens(mb, self.groups) if self.active else None
 
     def _hook(self, index: int):
         def hook(module, inputs, output) -> None:
             if not self.active or not torch.is_grad_enabled():
                 return
             routing_map = output[1]  # [tokens, experts] bool, tokens in (sequence, batch) order
+            # Under full recompute with pipeline parallel the counted pass (the recompute in
+            # backward) can follow a later micro-batch's feed: a mask that does not fit counts all.
             if self._real is not None and self._real.numel() == routing_map.shape[0]:
                 routing_map = routing_map[self._real.to(routing_map.device)]
             self.counts[index] += routing_map.sum(0).double().cpu()

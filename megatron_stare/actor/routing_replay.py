@@ -70,6 +70,31 @@ def check_sample_routes(samples: Sequence[Sample], spec: GPTSpec) -> None:
                          f"sample's routed experts (or set rollout.routing_replay=r2 or none)")
 
 
+def router_order(mb: MicroBatch, cells: Tensor, groups: ParallelGroups, pad=-1) -> Tensor:
+    """``cells`` ``[B, L, ...]`` (a per-token field of ``mb``) in the routers' token order:
+    ``[tokens, ...]`` (see the module docstring); row positions no cell maps to get ``pad``."""
+    if mb.packed is not None:
+        row = torch.full((mb.packed.input_ids.shape[1], *cells.shape[2:]), pad, dtype=cells.dtype,
+                         device=cells.device)
+        mapped = mb.packed.index != 0
+        mapped[0, 0] = True  # the first sequence's first token sits at row position 0
+        row[mb.packed.index[mapped]] = cells[mapped]
+        flat = row
+    else:
+        flat = cells.transpose(0, 1).reshape(-1, *cells.shape[2:])
+    lay = groups.layout
+    if lay.sequence_parallel and lay.tp > 1:
+        flat = flat.chunk(lay.tp)[groups.tp_rank]
+    return flat
+
+
+def real_tokens(mb: MicroBatch, groups: ParallelGroups) -> Tensor:
+    """``[tokens]`` bool in the routers' token order: True at ``mb``'s real tokens, False at its
+    padding (a packed row's slot and row padding, which under context parallel sits in this
+    rank's chunks of each slot; a padded row's tail)."""
+    return router_order(mb, mb.position_ids < mb.seq_lens[:, None], groups, pad=False)
+
+
 class RouterTape:
     """One router's replay state, in megatron's ``RouterReplay`` interface (``get_replay_topk``).
 
@@ -144,31 +169,14 @@ class RoutingReplay:
                 router.router_replay = tape
                 self.tapes.append(tape)
 
-    def router_order(self, mb: MicroBatch, cells: Tensor, pad=-1) -> Tensor:
-        """``cells`` ``[B, L, ...]`` (a per-token field of ``mb``) in the routers' token order:
-        ``[tokens, ...]`` (see the module docstring); row positions no cell maps to get ``pad``."""
-        if mb.packed is not None:
-            row = torch.full((mb.packed.input_ids.shape[1], *cells.shape[2:]), pad, dtype=cells.dtype,
-                             device=cells.device)
-            mapped = mb.packed.index != 0
-            mapped[0, 0] = True  # the first sequence's first token sits at row position 0
-            row[mb.packed.index[mapped]] = cells[mapped]
-            flat = row
-        else:
-            flat = cells.transpose(0, 1).reshape(-1, *cells.shape[2:])
-        lay = self.groups.layout
-        if lay.sequence_parallel and lay.tp > 1:
-            flat = flat.chunk(lay.tp)[self.groups.tp_rank]
-        return flat
-
     def feed(self, mb: MicroBatch) -> None:
         """Before ``mb``'s forward on this stage: point every tape at its routes (the record
         after the log-prob pass; the sample routes during an r3 log-prob pass)."""
-        real = self.router_order(mb, mb.position_ids < mb.seq_lens[:, None], pad=False)
+        real = real_tokens(mb, self.groups)
         for t in self.tapes:
             t.real = real
         if self.tapes and self.tapes[0].recording:
-            routes = self.router_order(mb, mb.routes) if mb.routes is not None else None
+            routes = router_order(mb, mb.routes, self.groups) if mb.routes is not None else None
             for t in self.tapes:
                 t.target = None if routes is None else routes[:, t.moe_index]
             return

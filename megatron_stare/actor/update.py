@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.actor.diagnostics import selected_token_keys
+from megatron_stare.actor.moe_metrics import ExpertLoad
 from megatron_stare.actor.optim import guarded_step
 from megatron_stare.actor.routing_replay import RoutingReplay
 from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedule
@@ -109,15 +110,22 @@ class MiniBatchResult:
 
 def train_mini_batch(model, optimizer, scheduler, micro_batches: Sequence[MicroBatch], plan: LossPlan,
                      ctx: LossContext, groups: ParallelGroups, clip_grad: float,
-                     replay: Optional[RoutingReplay] = None) -> MiniBatchResult:
+                     replay: Optional[RoutingReplay] = None,
+                     expert_load: Optional[ExpertLoad] = None) -> MiniBatchResult:
     """Forward/backward over the mini-batch's micro-batches and one guarded optimizer step;
-    ``replay``: every forward (and recompute) routes as the log-prob pass recorded."""
+    ``replay``: every forward (and recompute) routes as the log-prob pass recorded;
+    ``expert_load``: told each micro-batch's real tokens before its forward."""
     scale = backward_scale(grad_reduce_divisor=groups.layout.dp, schedule_divisor=len(micro_batches))
     losses = [MicroBatchLoss(mb, plan, ctx, scale) for mb in micro_batches]
+    feeds = [f.feed for f in (replay, expert_load) if f is not None]
+
+    def before_forward(mb: MicroBatch) -> None:
+        for feed in feeds:
+            feed(mb)
+
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    run_schedule(model, micro_batches, losses, forward_only=False,
-                 before_forward=None if replay is None else replay.feed)
+    run_schedule(model, micro_batches, losses, forward_only=False, before_forward=before_forward)
     if replay is not None:
         replay.done()
     step_loss = torch.zeros((), dtype=torch.float64, device=groups.device)

@@ -1,10 +1,11 @@
 """One STARE update of a tiny Qwen3-MoE (8 experts, top-2, 2 MoE layers; ``MOE_SPEC``) is
 layout-invariant: at EP2 (DP2 for the dense weights), EP2xTP2 (sequence parallel; EP spans the
-TP ranks, expert-data-parallel 2), EP2xPP2, EP2xTP2 on 2 ranks (no data parallel) and DP2, each
-with and without Megatron's distributed optimizer (over the data-parallel and the
+TP ranks, expert-data-parallel 2), EP2xPP2, EP2xTP2 on 2 ranks (no data parallel), EP2xCP2 and
+DP2, each with and without Megatron's distributed optimizer (over the data-parallel and the
 expert-data-parallel groups), it gives the single process's loss, grad norm (1e-5 relative),
-selected tokens, every metric (the per-layer expert load among them) and updated weights
-(1e-6). With the router's load-balancing and z-losses on, the update (loss, grad norm,
+selected tokens, every metric (the per-layer expert load among them: under CP it counted the
+padding in each rank's chunks of the slots, layer 0's load_max 1.45 at EP2xCP2 against one
+process's 1.29) and updated weights (1e-6). With the router's load-balancing and z-losses on, the update (loss, grad norm,
 selection, every metric and the logged aux and z-loss values, weights within 1e-6) equals one
 process's where the micro-batches are the same (EP2xTP2 on 2 ranks: megatron's aux loss is a
 per-micro-batch quantity, so data parallel changes it by definition). Two things made it so
@@ -38,16 +39,17 @@ SHARED = {"spec": dataclasses.replace(MOE_SPEC, architecture="qwen2_moe", add_qk
                                                   norm_topk_prob=False, shared_expert_size=24, shared_expert_gate=True))}
 DISTOPT = {"distributed_optimizer": True}
 AUX = {"moe_router_losses": (0.01, 0.001)}
-#: name -> (world, tp, pp, ep, {variant: knobs})
+#: name -> (world, tp, pp, cp, ep, {variant: knobs})
 RUNS = {
-    "one": (1, 1, 1, 1, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX)}),
-    "ep2": (2, 1, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT), "shared": SHARED}),
-    "dp2": (2, 1, 1, 1, {"distopt": dict(MOE, **DISTOPT)}),
+    "one": (1, 1, 1, 1, 1, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX)}),
+    "ep2": (2, 1, 1, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT), "shared": SHARED}),
+    "dp2": (2, 1, 1, 1, 1, {"distopt": dict(MOE, **DISTOPT)}),
     # (the variants without router losses first: megatron's tracker keeps a loss's name once on)
-    "ep2tp2_w2": (2, 2, 1, 2, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX),
-                               "megatron_z": dict(MOE, **AUX, megatron_z_loss=True)}),
-    "ep2tp2": (4, 2, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
-    "ep2pp2": (4, 1, 2, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
+    "ep2tp2_w2": (2, 2, 1, 1, 2, {"ref": MOE, "shared": SHARED, "aux": dict(MOE, **AUX),
+                                  "megatron_z": dict(MOE, **AUX, megatron_z_loss=True)}),
+    "ep2tp2": (4, 2, 1, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
+    "ep2pp2": (4, 1, 2, 1, 2, {"ref": MOE, "distopt": dict(MOE, **DISTOPT)}),
+    "ep2cp2": (4, 1, 1, 2, 2, {"ref": MOE}),
 }
 
 
@@ -57,8 +59,8 @@ def runs():
 
     def run(name):
         if name not in cache:
-            world, tp, pp, ep, variants = RUNS[name]
-            ranks = run_on_ranks(run_actor_variants, world, tp, pp, list(variants.values()), ep=ep)
+            world, tp, pp, cp, ep, variants = RUNS[name]
+            ranks = run_on_ranks(run_actor_variants, world, tp, pp, list(variants.values()), cp=cp, ep=ep)
             cache[name] = {v: [r[i] for r in ranks] for i, v in enumerate(variants)}
         return cache[name]
 
@@ -79,9 +81,9 @@ def test_reference_update_is_not_trivial(reference):
     assert len(load) == 2 and all(v > 1.0 for v in load), reference["metrics"]
 
 
-@pytest.mark.parametrize("name,variant", [(n, v) for n in RUNS if n != "one" for v in RUNS[n][4] if v in ("ref", "distopt")])
+@pytest.mark.parametrize("name,variant", [(n, v) for n in RUNS if n != "one" for v in RUNS[n][5] if v in ("ref", "distopt")])
 def test_moe_layouts_match_single_process(runs, reference, name, variant):
-    world, tp, pp, ep, _ = RUNS[name]
+    world, tp, pp, cp, ep, _ = RUNS[name]
     ranks = runs(name)[variant]
     for got in ranks:
         assert_same_update(reference, got)

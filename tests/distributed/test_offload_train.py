@@ -42,7 +42,7 @@ def _run(rank, world, assets: Path, offload: str):
         first_sync(tr)
         for s in range(2):
             m = tr.step(s)
-            rows.append({k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))})
+            rows.append({k: v for k, v in m.items() if not k.startswith(("time/", "perf/", "sync/"))})
             phases.append(list(tr.phases_run))
             tr.save(s + 1)
         params = sum(p.numel() * p.element_size() for p in tr.actor.module.parameters())

@@ -59,8 +59,7 @@ from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RE
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.save_schedule import SaveClock
 from megatron_stare.step_interrupt import StepInterrupts
-from megatron_stare.weight_sync.probe import (MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap,
-                                              probe_prompts)
+from megatron_stare.weight_sync.probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
 
 
 class Trainer:
@@ -131,7 +130,7 @@ class Trainer:
 
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
-        self.probe = self._sync_probe()  # rollout.verify_sync=probe (weight_sync/probe.py)
+        self.probe = SyncProbe.for_run(cfg, self.tokenizer, self.engine_spec)  # None unless verify_sync=probe
         self.mismatch_watch = MismatchWatch(bound_for(m.dtype, self.engine_spec.dtype)[0])
         self.interrupts = StepInterrupts(self)  # a signal inside a step's rollout stops it (step_interrupt.py)
         self.start_step, self.skipped = 0, 0
@@ -383,32 +382,12 @@ class Trainer:
         """The trainer's side of a pending probe; raises ``SyncCheckError`` past the bound."""
         if self.probe is None or self.probe.pending is None:
             return
-        from megatron_stare.rollout.data_parallel import replica_slice
-
         version, results = self.probe.pending
         self.probe.pending = None
         with self.timer("sync_probe"):
             gap = probe_gap(self.actor, self.probe.samples(results), self.groups)
-        d, n = self.engine_spec.devices, len(self.probe.prompts)
-        where = [""] * n
-        if d.replicas > 1:
-            for r in range(d.replicas):
-                for i in replica_slice(n, r, d.replicas):
-                    where[i] = f"replica {r} of {d.replicas}"
-        elif self.engine is not None and getattr(self.engine, "base_url", None):
-            where = [f"server {self.engine.base_url}"] * n
+        where = sample_sources(len(self.probe.prompts), self.engine_spec.devices, self.engine)
         self.probe.check(gap, version, self.cfg.rollout.engine, where)
-
-    def _sync_probe(self) -> Optional[SyncProbe]:
-        r, d = self.cfg.rollout, self.cfg.data
-        if r.verify_sync != "probe":
-            return None
-        room = d.max_prompt_length + r.max_response_tokens  # the engine's context
-        new = min(16, r.max_new_tokens)
-        prompts = probe_prompts(self.tokenizer, min(d.max_prompt_length, room - new),
-                                count=max(4, self.engine_spec.devices.replicas))
-        return SyncProbe(prompts, r.temperature, r.verify_sync_every,
-                         bound_for(self.cfg.model.dtype, self.engine_spec.dtype), max_new_tokens=new)
 
     def evaluate(self, step: int) -> dict:
         """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..types import Sample
 
-__all__ = ["BOUNDS", "MismatchWatch", "ProbeGap", "SyncCheckError", "SyncProbe", "bound_for", "probe_prompts"]
+__all__ = ["BOUNDS", "MismatchWatch", "ProbeGap", "SyncCheckError", "SyncProbe", "bound_for", "probe_gap", "probe_prompts",
+           "sample_sources"]
 
 #: (mean, max) bound of |engine log-prob - trainer log-prob| over the probe's tokens, by the
 #: lower of the two sides' precisions. fp32: measured 1e-5 / 4e-5 on SmolLM2-135M (30 layers).
@@ -119,6 +120,17 @@ class SyncProbe:
         self.pending: Optional[Tuple[int, list]] = None  # (step, results) awaiting the trainer's pass
         self.last: Optional[ProbeGap] = None
 
+    @classmethod
+    def for_run(cls, cfg, tokenizer, spec) -> Optional["SyncProbe"]:
+        """The run's probe (``rollout.verify_sync=probe``; else None): prompts that fit
+        ``data.max_prompt_length``, at least one per engine replica, the dtype's bound."""
+        r = cfg.rollout
+        if r.verify_sync != "probe":
+            return None
+        prompts = probe_prompts(tokenizer, cfg.data.max_prompt_length, count=max(4, spec.devices.replicas))
+        return cls(prompts, r.temperature, r.verify_sync_every, bound_for(cfg.model.dtype, spec.dtype),
+                   max_new_tokens=min(PROBE_TOKENS, r.max_new_tokens))
+
     def due(self, sync_index: int) -> bool:
         """Probe after sync ``sync_index`` (the policy version it installed)?"""
         if self.first is None:
@@ -152,6 +164,21 @@ class SyncProbe:
             f"probe log-prob gap {gap.mean:.2e} mean / {gap.max:.2e} max over {gap.tokens} tokens "
             f"(bound {mean_b:.0e} / {max_b:.0e}); it does not compute with the weights it was sent. "
             f"Stopped before training on its samples; the last checkpoint is intact")
+
+
+def sample_sources(n: int, devices, engine) -> List[str]:
+    """Who generated each of ``n`` probe samples, for the check's line: the engine replica
+    (``replica_slice``'s dealing) or the attached / spawned server; "" when there is one engine."""
+    from ..rollout.data_parallel import replica_slice
+
+    if devices.replicas > 1:
+        where = [""] * n
+        for r in range(devices.replicas):
+            for i in replica_slice(n, r, devices.replicas):
+                where[i] = f"replica {r} of {devices.replicas}"
+        return where
+    url = getattr(engine, "base_url", None)
+    return [f"server {url}" if url else ""] * n
 
 
 @torch.no_grad()

@@ -31,9 +31,9 @@ from megatron_stare.demo.word_problems import compute_score
 
 
 def grpo_advantages(rewards: List[float]) -> List[float]:
-    """algorithms.md's GRPO advantages of one group (unbiased std, 1e-6)."""
+    """algorithms.md's GRPO advantages of one group (unbiased std, 1e-6; a singleton: mean 0, std 1)."""
     if len(rewards) < 2:
-        return [0.0] * len(rewards)
+        return [float(r) for r in rewards]
     mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
     return [(r - mean) / (std + 1e-6) for r in rewards]
 

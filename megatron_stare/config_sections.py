@@ -139,6 +139,21 @@ class RolloutConfig:
     verify_sync_every: int = num(10, ge=0)
     """With verify_sync=probe: probe after the run's first sync and every this many syncs after
     it, >= 0 (0: the first sync only)."""
+    request_timeout_s: float = num(600.0, gt=0)
+    """Server engines (vllm-server): a server that makes no tokens for this long while requests
+    are in flight is declared hung and recovered; also each control call's bound, seconds > 0."""
+    sync_timeout_s: float = num(600.0, gt=0)
+    """Server engines: a weight push or weight-group call that makes no progress for this long
+    fails and is recovered (or ends the run, named), seconds > 0."""
+    startup_timeout_s: float = num(600.0, gt=0)
+    """Server engines: how long a (re)started server may take to be ready, and how long an
+    attached server may take to come back after it died, seconds > 0."""
+    max_engine_restarts: int = num(8, ge=0)
+    """Server engines: restarts (or re-attachments) of dead or hung servers over the run, >= 0;
+    past it, or past ``max_engine_restarts_per_step`` in one step, the run ends in one line
+    (exit 1) with its last complete checkpoint intact. 0: a lost server ends the run at once."""
+    max_engine_restarts_per_step: int = num(2, ge=0)
+    """Server engines: restarts within one step, >= 0 (see ``max_engine_restarts``)."""
     eval_n: int = num(4, ge=1)
     """Samples per prompt at evaluation (avg@k, pass@k), >= 1."""
     eval_temperature: float = num(1.0, ge=0)

@@ -18,6 +18,15 @@ process; what this adds to it:
   next step boundary and exit 130. A second press later than that is forwarded too (the workers
   stop at once), and workers still alive ``KILL_AFTER_S`` later are killed with their process
   groups. SIGTERM / SIGUSR1 stay torchrun's (it forwards them: preemption, exit 75).
+- **A colocated engine's death.** A colocated ``vllm`` engine lives in its rank's process and a
+  colocated ``sglang`` server is its rank's child: either dies with its rank (and the rank with
+  it). Each rank that hosts one records it (``note_engine``, beside the status file); when the
+  run fails, one line per failed rank that hosted one names the engine with the rank's end
+  (``rank 1 (pid N) ended by SIGKILL; its colocated vllm engine (in the rank's process) ended
+  with it: ...``). The rerun resumes from the last complete checkpoint. (A restart inside the
+  rank would need the engine rebuilt in a process whose collectives are intact: with vLLM's
+  ``external_launcher`` the engine shares the trainer's process group, so a rank whose engine
+  died is a rank to replace, which is torchrun's elastic restart, not the rank's own doing.)
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import json
 import tempfile
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -43,6 +53,53 @@ KILL_AFTER_S = 3.0
 _RENDEZVOUS_FLAGS = ("--standalone", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                      "--master_addr")
 USAGE = "usage: python -m megatron_stare.run [torchrun options] --config X.yaml [a.b=c ...]"
+#: Beside the status file: one JSON line per rank that hosts a colocated engine (``note_engine``).
+ENGINES_SUFFIX = ".engines"
+
+
+def note_engine(engine: str, where: str) -> None:
+    """Record that this rank hosts a colocated ``engine`` (``where``: in its process, or a
+    server's pid and log), for the launcher's line if the rank dies (module docstring)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return
+    line = json.dumps({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "engine": engine,
+                       "where": where})
+    with open(path + ENGINES_SUFFIX, "a") as f:  # one short append per rank: whole lines
+        f.write(line + "\n")
+
+
+def read_engines(path: str) -> Dict[int, dict]:
+    """``note_engine``'s records by global rank (none if the file is absent)."""
+    out: Dict[int, dict] = {}
+    try:
+        with open(path + ENGINES_SUFFIX) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    out[int(rec["rank"])] = rec
+                except (ValueError, KeyError, TypeError):
+                    pass
+    except OSError:
+        pass
+    return out
+
+
+def engine_deaths(failures: Mapping[int, object], engines: Mapping[int, dict]) -> List[str]:
+    """One line per failed rank (``ChildFailedError.failures``: rank -> ``ProcessFailure``) that
+    hosted a colocated engine."""
+    lines = []
+    for rank in sorted(failures):
+        rec, f = engines.get(rank), failures[rank]
+        if rec is None:
+            continue
+        code = getattr(f, "exitcode", None)
+        how = (f"ended by {f.signal_name()}" if isinstance(code, int) and code < 0
+               else f"exited with code {code}")
+        lines.append(f"rank {rank} (pid {getattr(f, 'pid', rec['pid'])}) {how}; its colocated {rec['engine']} "
+                     f"engine ({rec['where']}) ended with it: rerun the same command to resume from the last "
+                     f"complete checkpoint")
+    return lines
 
 
 def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -161,13 +218,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if interrupts.presses > 1:  # stopped at once: nothing of the workers' groups lives on
             _kill_groups(interrupts.workers)
         written = _read_status(status)
-        os.unlink(status)
+        engines = read_engines(status)
+        for leftover in (status, status + ENGINES_SUFFIX):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     if written is not None:
         return written
     if interrupts.presses:
         return INTERRUPTED_EXIT_CODE
     if failure is not None:
         print(str(failure), file=sys.stderr)  # torchrun's failure summary
+        for line in engine_deaths(failure.failures, engines):
+            print(line, file=sys.stderr)
     return code
 
 

@@ -54,9 +54,12 @@ from megatron_stare.errors import UserError
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
 from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.reaper import install as install_reaper
+from megatron_stare.run import note_engine
 from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
+from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
+from megatron_stare.rollout.vllm_fleet import EngineLost
 from megatron_stare.save_schedule import SaveClock
 from megatron_stare.step_interrupt import StepInterrupts
 from megatron_stare.weight_sync.probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
@@ -130,7 +133,15 @@ class Trainer:
 
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
+        if self.engine is not None and self.engine_spec.traits.colocated:  # named if it dies (run.py)
+            server = getattr(self.engine, "_server", None)  # sglang: a server process of its own
+            note_engine(cfg.rollout.engine, f"server pid {server.proc.pid}, log {server.log_name}"
+                        if server is not None and server.proc is not None else "in the rank's process")
         self.probe = SyncProbe.for_run(cfg, self.tokenizer, self.engine_spec)  # None unless verify_sync=probe
+        self._probe_now = False  # a restarted server's first push is probed whatever the schedule says
+        # A lost rollout server is restarted and re-synced (rollout/recovery.py, vllm_fleet.py).
+        self.recovery = EngineRecovery(self.engine, cfg.rollout.engine == "vllm-server"
+                                       and cfg.rollout.max_engine_restarts > 0, self.groups.device, self.console.note)
         self.mismatch_watch = MismatchWatch(bound_for(m.dtype, self.engine_spec.dtype)[0])
         self.interrupts = StepInterrupts(self)  # a signal inside a step's rollout stops it (step_interrupt.py)
         self.start_step, self.skipped = 0, 0
@@ -247,6 +258,7 @@ class Trainer:
         from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
 
         selector = GroupSelector(self.cfg)
+        self.recovery.new_step()
         generated: list = []  # every generation batch's results (multi-turn metrics)
         while not selector.full:
             prompts = self.train_set.batch(self.sampler.next_batch())
@@ -277,10 +289,13 @@ class Trainer:
         from megatron_stare.rollout.data_parallel import replica_slice
 
         d = self.engine_spec.devices
+        part = replica_slice(len(prompts), d.replica, d.replicas) if d.generates else None
+        mt = self.cfg.rollout.multi_turn
+        if self.recovery.active and not mt.env and not self.cfg.trainer.staleness:  # rollout/recovery.py
+            return self.recovery.generate(part, lambda todo: self.engine.generate_partial(
+                [prompts[i].token_ids for i in todo], params, prompt_indices=todo), self._resync_engine)
         if not d.generates:
             return None
-        part = replica_slice(len(prompts), d.replica, d.replicas)
-        mt = self.cfg.rollout.multi_turn
         if not mt.env:
             return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
         from megatron_stare.envs import make_env
@@ -351,20 +366,31 @@ class Trainer:
         if self.engine is None:
             for _ in buckets:
                 pass
-            return
-        if self.cfg.rollout.verify_sync != "checksums":
+        elif self.cfg.rollout.verify_sync != "checksums":
             self.engine.update_weights_from_buckets(buckets)
-            return
-        from megatron_stare.weight_sync import update_verified
+        else:
+            from megatron_stare.weight_sync import update_verified
 
-        self.verified_tensors = update_verified(self.engine, buckets)  # checksums on both sides
+            self.verified_tensors = update_verified(self.engine, buckets)  # checksums on both sides
+        if self.recovery.active:  # a server lost in the push (or before): back, and pushed to again
+            agreed = self.recovery.agree()
+            self._probe_now |= agreed.probe
+            if agreed.resync:
+                self.sync_weights()
+
+    def _resync_engine(self) -> None:
+        """A lost server is back with the checkpoint's weights: every rank syncs the current
+        ones (the step's generation resumes with them), and the probe checks that push."""
+        first_sync(self)
+        self.probe_engine(self.version)
 
     def probe_engine(self, version: int) -> None:
         """After the sync that installed policy ``version`` (engine awake): when due, the engine
         generates the probe and the trainer scores it, now if its weights are on the device,
         else at the next onload (``weight_sync/probe.py``)."""
-        if self.probe is None or not self.probe.due(version):
+        if self.probe is None or not (self.probe.due(version) or self._probe_now):
             return
+        self._probe_now = False
         from megatron_stare.rollout.data_parallel import replica_slice
 
         with self.timer("sync_probe"):
@@ -524,11 +550,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         write_status(2)
         return 2
-    except SyncCheckError as e:
+    except (SyncCheckError, EngineLost) as e:
         # Found by a collective check, identically on every rank: one line, exit 1 (a failure,
-        # not a user error); nothing of the step after the last checkpoint is saved.
+        # not a user error); nothing of the step after the last checkpoint is saved. A rollout
+        # server lost past its restarts is such a check too (rollout/recovery.py).
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         write_status(1)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C (preemption.py): stopped at once, nothing saved

@@ -11,20 +11,30 @@ outstanding work, and is given fewer new ones: the servers finish together. ``ro
 Placement is the only thing that varies between runs: a request's result depends on its
 prompt and its per-prompt seed alone (``rollout/data_parallel.py``), and ``run`` returns the
 results in request order, whatever answered them.
+
+Routing around a lost server: a call that raises ``BackendLost`` gave up on its backend (the
+fleet marked it down); the request is placed again, on the live backends only, and with the
+same seed it gets the same answer. With no live backend left it comes back as ``UNFINISHED``.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Literal, Sequence, TypeVar
+from typing import Callable, List, Literal, Optional, Sequence, Set, TypeVar
 
 from .interruptible import run_requests
 
-__all__ = ["POLICIES", "DispatchStats", "Dispatcher"]
+__all__ = ["POLICIES", "UNFINISHED", "BackendLost", "DispatchStats", "Dispatcher"]
 
 T = TypeVar("T")
 POLICIES = ("least_work", "round_robin")
+#: A request no live backend could answer (``Dispatcher.run``'s result in its place).
+UNFINISHED = object()
+
+
+class BackendLost(Exception):
+    """Raised by a call whose backend is gone (and now in ``down``): place the request again."""
 
 
 @dataclass
@@ -61,32 +71,43 @@ class Dispatcher:
         self.last = DispatchStats()
 
     def run(self, costs: Sequence[int], call: Callable[[int, int], T], interrupted: Callable[[], bool] = lambda: False,
-            abort: Callable[[], None] = lambda: None) -> List[T]:
+            abort: Callable[[], None] = lambda: None, down: Optional[Set[int]] = None) -> List[T]:
         """``[call(backend, j) for j in range(len(costs))]``, run concurrently and placed by the
         policy; results in request order. The first failing call's error is raised. Once
-        ``interrupted()``, ``abort()`` and ``StepInterrupted`` (``rollout/interruptible.py``)."""
+        ``interrupted()``, ``abort()`` and ``StepInterrupted`` (``rollout/interruptible.py``).
+        ``down``: backends not to use (the caller adds to it before raising ``BackendLost``);
+        a request that no live backend answered is ``UNFINISHED``."""
+        down = down if down is not None else set()
         B = self.num_backends
         lock = threading.Lock()
         outstanding, in_flight = [0] * B, [0] * B
         stats = DispatchStats(backend=[-1] * len(costs), requests=[0] * B, work=[0] * B)
 
-        def place(j: int) -> int:
-            if self.policy == "round_robin":
+        def place(j: int, live: List[int]) -> int:
+            if self.policy == "round_robin" and j % B in live:
                 return j % B
-            return min(range(B), key=lambda b: (outstanding[b], in_flight[b], b))
+            return min(live, key=lambda b: (outstanding[b], in_flight[b], b))
 
         def one(j: int) -> T:
-            with lock:
-                b = place(j)
-                outstanding[b] += costs[j]
-                in_flight[b] += 1
-                stats.backend[j], stats.requests[b], stats.work[b] = b, stats.requests[b] + 1, stats.work[b] + costs[j]
-            try:
-                return call(b, j)
-            finally:
+            while True:
                 with lock:
-                    outstanding[b] -= costs[j]
-                    in_flight[b] -= 1
+                    live = [b for b in range(B) if b not in down]
+                    if not live:
+                        return UNFINISHED
+                    b = place(j, live)
+                    outstanding[b] += costs[j]
+                    in_flight[b] += 1
+                    stats.backend[j], stats.requests[b], stats.work[b] = b, stats.requests[b] + 1, stats.work[b] + costs[j]
+                try:
+                    return call(b, j)
+                except BackendLost:
+                    down.add(b)
+                    with lock:
+                        stats.backend[j], stats.requests[b], stats.work[b] = -1, stats.requests[b] - 1, stats.work[b] - costs[j]
+                finally:
+                    with lock:
+                        outstanding[b] -= costs[j]
+                        in_flight[b] -= 1
 
         # The pool's threads take requests in order, one per free slot: placement happens then.
         out = run_requests(len(costs), one, max_workers=self.window, interrupted=interrupted, abort=abort)

@@ -45,7 +45,7 @@ from megatron_stare.rollout import vllm_cpu
 if TYPE_CHECKING:
     from megatron_stare.config_sections import Config
 
-__all__ = ["DRIVER", "ENGINE_TRAITS", "EngineDevices", "EngineSpec", "EngineTraits", "EngineWorld",
+__all__ = ["DRIVER", "ENGINE_TRAITS", "EngineDevices", "EngineSpec", "EngineTraits", "EngineWorld", "RecoveryLimits",
            "SamplingDefaults"]
 
 DRIVER = 0
@@ -159,6 +159,19 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class RecoveryLimits:
+    """How server engines watch and recover their servers (``rollout.*_timeout_s``,
+    ``rollout.max_engine_restarts*``; ``vllm_fleet.py``)."""
+
+    request_timeout_s: float = 600.0
+    sync_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    max_restarts: int = 8
+    """Over the run; 0: no recovery (a lost server is an error at once)."""
+    max_restarts_per_step: int = 2
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """Everything an engine needs, from ``RolloutConfig`` and the layout; see the module docstring."""
 
@@ -194,6 +207,8 @@ class EngineSpec:
     return_routed_experts: bool = False
     """vLLM engines return the routed experts of every sample (MoE routing replay, R3:
     ``GenerationResult.routed_experts``); GPU only (``rollout/routed_experts.py``)."""
+    recovery: RecoveryLimits = RecoveryLimits()
+    """Server engines: timeouts and restart bounds."""
 
     @property
     def traits(self) -> EngineTraits:
@@ -226,7 +241,10 @@ class EngineSpec:
             sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync == "checksums",
             world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda,
             cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world),
-            return_routed_experts=r.routing_replay == "r3")
+            return_routed_experts=r.routing_replay == "r3",
+            recovery=RecoveryLimits(request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s,
+                                    startup_timeout_s=r.startup_timeout_s, max_restarts=r.max_engine_restarts,
+                                    max_restarts_per_step=r.max_engine_restarts_per_step))
 
 
 def _cpu_kv_cache_bytes(r, w: EngineWorld) -> int:

@@ -32,13 +32,23 @@ A spawned server process (and the engine-core process it spawns) runs in its own
 process leading that session (``server_guard.py``) ends it when this process dies without either
 (SIGKILL, the OOM killer).
 
-Failures: every HTTP call is bounded by ``request_timeout_s`` (per socket operation) and the
-weight group by the same timeout. A call that fails on the transport (connection refused or
-reset, a timeout), a reply with an error status (a 5xx: a dead engine core) or a weight push
-that breaks raises ``EngineFailure``: one line naming the server (pid, URL), whether it died
-(exit code), stopped answering or what it replied, and the call, followed by the tail of the
-server's log, which is then kept after ``shutdown()``. A server that dies mid-request closes its sockets, so the error
-comes at once rather than after the timeout.
+Failures: a control call is bounded by ``request_timeout_s`` (per socket operation), the weight
+group's calls and collectives by ``sync_timeout_s``. A generation request has no socket timeout
+(a long generation sends nothing until it ends): its bound is progress. ``progress()`` reads the
+server's generated-token counter, and the fleet's watchdog (``vllm_fleet.py``) calls
+``declare_hung`` on a server whose counter stood still for ``request_timeout_s`` while requests
+were in flight, which kills a spawned server and cuts the calls in flight (``http.InFlight``). A
+call that fails on the transport (connection refused or reset, a timeout), a reply with an error
+status (a 5xx: a dead engine core) or a weight push that breaks raises ``EngineFailure``: one
+line naming the server (pid, URL), whether it died (exit code), hung, stopped answering or what
+it replied, and the call, followed by the tail of the server's log, which is then kept after
+``shutdown()``. A server that dies mid-request closes its sockets, so the error comes at once.
+
+Recovery: ``restart()`` starts a spawned server again with its command (same flags and seed; the
+same port when it is free, else a free one) and waits until it is ready; an attached server has
+no process of ours, so ``restart()`` waits up to ``startup_timeout_s`` for its URL to answer again
+and checks it against the spec once more. Either way the server holds the checkpoint's weights
+afterwards: the fleet gives it the trainer's through the normal push.
 """
 
 from __future__ import annotations
@@ -47,6 +57,9 @@ import atexit
 import json
 import logging
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,7 +76,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
 from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
-from .http import EngineFailure, ErrorReply, request_json
+from .http import EngineFailure, ErrorReply, InFlight, request_json
 from .interruptible import run_requests
 from .routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
 from .server_guard import guarded
@@ -131,7 +144,10 @@ class VLLMServerEngine(RolloutEngine):
         bucket_bytes: flat bucket size of the weight broadcast.
         weight_backend: ``"gloo"`` or ``"nccl"``.
         record_checksums: workers record checksums of received tensors (see ``checksum``).
-        startup_timeout_s / request_timeout_s: readiness wait; per HTTP call and group timeout.
+        startup_timeout_s: readiness wait (start-up, a restart, an attached server coming back).
+        request_timeout_s: per control call; a generation's bound on making no tokens (see
+            ``progress``; enforced by the fleet's watchdog).
+        sync_timeout_s: the weight group's calls and collectives.
         max_concurrency: parallel HTTP requests (the server batches them).
         keep_log: keep a spawned server's log file after ``shutdown()`` (its tail is in every
             start-up error anyway).
@@ -150,7 +166,8 @@ class VLLMServerEngine(RolloutEngine):
                  bucket_bytes: int = 256 << 20, weight_backend: Optional[str] = None,
                  record_checksums: bool = False, startup_timeout_s: float = 300.0,
                  request_timeout_s: float = 600.0, max_concurrency: int = 64, keep_log: bool = False,
-                 return_routed_experts: bool = False, model_path: Optional[str] = None):
+                 return_routed_experts: bool = False, model_path: Optional[str] = None,
+                 sync_timeout_s: float = 600.0):
         if (command is None) == (base_url is None):
             raise ValueError("vllm-server: pass exactly one of command (spawn) or base_url (attach)")
         cuda = torch.cuda.is_available()
@@ -166,22 +183,31 @@ class VLLMServerEngine(RolloutEngine):
         self.weight_backend = weight_backend or ("nccl" if cuda else "gloo")
         self.world = tensor_parallel_size
         self.record_checksums = record_checksums
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.sync_timeout_s = request_timeout_s, sync_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.in_flight = InFlight()  # generation calls, which a watchdog may cut (hung server)
+        self.hung: Optional[str] = None  # why the watchdog gave up on this server, until a restart
         self.max_concurrency = max_concurrency
         self.cpu = not cuda
         self.sleeps = sleeps
         self._group = None
         self._proc = self._log = None
+        self._command = command
+        self._expect = expect or {}
         self.last_sync: Optional[SyncStats] = None
         if base_url is not None:
             self.base_url = base_url.rstrip("/")
             self.host = route_address(self.base_url)  # the weight group's store is ours
-            self._check_attached(expect or {})
+            self._check_attached(self._expect)
             return
-        argv = list(command.argv)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the command (again): its own session under the guard, a fresh log file."""
+        argv = list(self._command.argv)
         self.host, self.port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
         self.base_url = f"http://{self.host}:{self.port}"
-        full_env = {**server_environ(), "OMP_NUM_THREADS": "1", **command.env}
+        full_env = {**server_environ(), "OMP_NUM_THREADS": "1", **self._command.env}
         self._log = tempfile.NamedTemporaryFile(prefix="vllm_server_", suffix=".log", delete=False)
         log.info("starting vLLM server on %s (log: %s)", self.base_url, self._log.name)
         # The guard ends the server if this process dies without shutting it down (server_guard.py).
@@ -189,7 +215,7 @@ class VLLMServerEngine(RolloutEngine):
                                       start_new_session=True)
         atexit.register(self.shutdown)
         try:
-            self._wait_ready(startup_timeout_s)
+            self._wait_ready(self.startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -199,7 +225,8 @@ class VLLMServerEngine(RolloutEngine):
         """The spec's server: attached to ``url`` (default: the spec's only URL), else spawned."""
         common = dict(tensor_parallel_size=spec.tp, bucket_bytes=spec.sync_bucket_bytes,
                       record_checksums=spec.record_checksums, return_routed_experts=spec.return_routed_experts,
-                      model_path=spec.model_path)
+                      model_path=spec.model_path, request_timeout_s=spec.recovery.request_timeout_s,
+                      sync_timeout_s=spec.recovery.sync_timeout_s, startup_timeout_s=spec.recovery.startup_timeout_s)
         if spec.attaches:  # on GPUs of its own: NCCL on GPUs, nothing to release
             return cls(base_url=url or spec.server_urls[0], weight_backend="nccl" if spec.cuda else "gloo",
                        expect={"tp": spec.tp, "dtype": spec.dtype, "context_length": spec.context_length},
@@ -233,8 +260,9 @@ class VLLMServerEngine(RolloutEngine):
         """``EngineFailure`` for ``what`` (a call that failed with ``err``): dead or not answering."""
         if self._log is None:  # attached: no process or log of ours to show
             detail = str(err).splitlines()[0] if str(err) else ""
-            return EngineFailure(f"vllm-server at {self.base_url} failed during {what} "
-                                 f"({type(err).__name__}: {detail}): is it still up? See its own log")
+            state = self.hung if self.hung is not None else f"failed ({type(err).__name__}: {detail})"
+            return EngineFailure(f"vllm-server at {self.base_url} {state} during {what}: is it still up? "
+                                 f"See its own log")
         proc, code = self._proc, None
         if proc is not None and not isinstance(err, ErrorReply):
             try:  # a server that is going down may take a moment to be reaped
@@ -243,8 +271,9 @@ class VLLMServerEngine(RolloutEngine):
                 pass
         pid = proc.pid if proc is not None else "shut down"
         detail = str(err).splitlines()[0] if str(err) else ""
-        state = (f"died with exit code {code}" if code is not None else f"replied {detail}"
-                 if isinstance(err, ErrorReply) else f"did not answer ({type(err).__name__}: {detail})")
+        state = (self.hung if self.hung is not None else f"died with exit code {code}" if code is not None
+                 else f"replied {detail}" if isinstance(err, ErrorReply)
+                 else f"did not answer ({type(err).__name__}: {detail})")
         self.keep_log = True  # the log outlives the server: the error names it
         return EngineFailure(f"vllm-server (pid {pid}, {self.base_url}) {state} during {what}; "
                              f"its log tail ({self._log.name}, kept):\n{self.log_tail()}")
@@ -268,15 +297,116 @@ class VLLMServerEngine(RolloutEngine):
         raise EngineFailure(f"vllm-server (pid {self._proc.pid}, {self.base_url}) not ready after {timeout_s:.0f}s; "
                             f"its log tail ({self._log.name}, kept):\n{self.log_tail()}")
 
-    def _request(self, path: str, body: Optional[dict] = None, method: str = "POST"):
-        return request_json(self.base_url + path, body, method=method, timeout=self.request_timeout_s,
-                            server="vLLM server", failure=self.failure)
+    def _request(self, path: str, body: Optional[dict] = None, method: str = "POST", timeout: float = 0.0,
+                 in_flight: Optional[InFlight] = None):
+        """One call; ``timeout``: per socket operation (0: ``request_timeout_s``; None: none)."""
+        return request_json(self.base_url + path, body, method=method,
+                            timeout=self.request_timeout_s if timeout == 0.0 else timeout,
+                            server="vLLM server", failure=self.failure, in_flight=in_flight)
 
-    def _rpc(self, method: str, *args: str) -> list:
+    def _rpc(self, method: str, *args: str, timeout: float = 0.0) -> list:
         """Call a worker-extension method on every worker; returns the per-worker results."""
-        out = self._request("/collective_rpc", {"method": method, "args": list(args),
-                                                "timeout": self.request_timeout_s})
+        t = self.request_timeout_s if timeout == 0.0 else timeout
+        out = self._request("/collective_rpc", {"method": method, "args": list(args), "timeout": t}, timeout=t)
         return out["results"] if out else []
+
+    # ---------------------------------------------------------------- health & recovery
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_name(self) -> Optional[str]:
+        return self._log.name if self._log is not None else None
+
+    def describe(self) -> str:
+        """``vllm-server (pid N, URL, log F)``: what a console line names."""
+        where = [f"pid {self.pid}"] if self.pid is not None else ["attached"]
+        where.append(self.base_url)
+        if self.log_name:
+            where.append(f"log {self.log_name}")
+        return f"vllm-server ({', '.join(where)})"
+
+    def alive(self) -> bool:
+        """Liveness: a spawned server's process runs and a hung one was not given up on; an
+        attached one answers ``/health``."""
+        if self.hung is not None:
+            return False
+        if self._command is not None:
+            return self._proc is not None and self._proc.poll() is None
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def exit_status(self) -> Optional[str]:
+        """How a spawned server's process ended (``exit code 1``, ``signal SIGKILL``), else None."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            return None
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def progress(self) -> Optional[float]:
+        """Tokens generated so far, from the server's Prometheus ``/metrics``
+        (``vllm:generation_tokens_total``, summed over engines); None if it does not answer
+        within a few seconds (a stopped server answers nothing)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=min(5.0, self.request_timeout_s)) as r:
+                text = r.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return None
+        got = [float(m) for m in re.findall(r"^vllm:generation_tokens_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", text,
+                                            flags=re.M)]
+        return sum(got) if got else None
+
+    def declare_hung(self, why: str) -> None:
+        """Give up on a server that made no progress: a spawned one is killed (SIGKILL to its
+        process group: it answers nothing, and a stopped process cannot take a SIGTERM), and the
+        calls in flight are cut, so they fail now rather than never."""
+        self.hung = why
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.in_flight.cut()
+
+    def restart(self) -> None:
+        """Bring the server back with the checkpoint's weights (see the module docstring); the
+        weight group and anything the old server held are gone. EngineFailure if it does not
+        come back within ``startup_timeout_s``."""
+        self._group = None  # the group is the fleet's; a restarted server joins a new one
+        if self._command is None:  # attached: wait for its URL, then check it is the same server
+            deadline = time.monotonic() + self.startup_timeout_s
+            self.hung = None
+            while not self.alive():
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"vllm-server at {self.base_url} did not come back within "
+                                        f"{self.startup_timeout_s:.0f}s (it is not ours to restart: the launch "
+                                        f"script's supervisor is)")
+                time.sleep(1.0)
+            self._check_attached(self._expect)
+            return
+        old = self._proc
+        if old is not None:
+            atexit.unregister(self.shutdown)
+            if old.poll() is None:
+                try:
+                    os.killpg(old.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            old.wait()  # the API server lets go of its port as it dies: waited for below
+            self._log.close()  # kept: the console line that reports the restart names it
+        self._proc, self.hung = None, None
+        deadline = time.monotonic() + 10
+        while not _port_free(self.host, self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not _port_free(self.host, self.port):  # someone took it meanwhile: the policy's fallback
+            argv = list(self._command.argv)
+            argv[argv.index("--port") + 1] = str(free_port(self.host))
+            self._command = ServerCommand(tuple(argv), self._command.env)
+        self._spawn()
 
     # ---------------------------------------------------------------- generation
     def complete(self, prompt: Sequence[int], params: SamplingParams, index: int) -> List[GenerationResult]:
@@ -290,7 +420,9 @@ class VLLMServerEngine(RolloutEngine):
             "skip_special_tokens": False,
             "seed": None if params.seed is None else sample_seed(params.seed, index),
         }
-        choices = sorted(self._request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        # No socket timeout: the watchdog bounds a request that makes no progress (module docstring).
+        choices = sorted(self._request("/v1/completions", body, timeout=None, in_flight=self.in_flight)["choices"],
+                         key=lambda c: c["index"])
         results = []
         for s, c in enumerate(choices):
             reason = c["finish_reason"]
@@ -326,11 +458,12 @@ class VLLMServerEngine(RolloutEngine):
         until they joined; ``form_group`` runs it in a thread while the trainer joins)."""
         self._rpc("stare_init_weight_group", json.dumps({
             "host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset,
-            "backend": self.weight_backend, "timeout_s": self.request_timeout_s}))
+            "backend": self.weight_backend, "timeout_s": self.sync_timeout_s}), timeout=self.sync_timeout_s)
 
     def receive_weights(self) -> None:
         """Have this server's workers reload from the group's bucket stream (blocks until done)."""
-        self._rpc("stare_receive_weights", json.dumps({"record_checksums": self.record_checksums}))
+        self._rpc("stare_receive_weights", json.dumps({"record_checksums": self.record_checksums}),
+                  timeout=self.sync_timeout_s)
 
     @staticmethod
     def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
@@ -368,7 +501,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def _ensure_weight_group(self) -> None:
         if self._group is None:
-            self._group = self.open_weight_group([self], self.host, self.weight_backend, self.request_timeout_s)
+            self._group = self.open_weight_group([self], self.host, self.weight_backend, self.sync_timeout_s)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self._push(lambda sender: sender.send(named_tensors, self.bucket_bytes))
@@ -436,4 +569,16 @@ class VLLMServerEngine(RolloutEngine):
             except Exception as e:  # noqa: BLE001 - the server is going away regardless
                 log.debug("weight group teardown: %s", e)
             self._group = None
+
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether ``port`` of ``host`` can be bound now (a restarted server takes its old port back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 

@@ -177,6 +177,11 @@ def sample_sources(n: int, devices, engine) -> List[str]:
             for i in replica_slice(n, r, devices.replicas):
                 where[i] = f"replica {r} of {devices.replicas}"
         return where
+    servers = getattr(engine, "servers", None)  # a vllm-server fleet: the server each prompt went to
+    if servers:
+        backend = list(engine.dispatch_stats.backend)
+        backend = backend if len(backend) == n else [0] * n
+        return [f"server {servers[b].base_url}" if 0 <= b < len(servers) else "" for b in backend]
     url = getattr(engine, "base_url", None)
     return [f"server {url}" if url else ""] * n
 

@@ -127,3 +127,28 @@ def test_gpu_tied_head_follows_a_sync(tmp_path):
             assert_matches_reference(eng.generate(PROMPTS, GREEDY), reference_outputs(model, PROMPTS, MAX_NEW))
     finally:
         eng.shutdown()
+
+
+def test_gpu_spawned_server_killed_is_restarted_on_its_gpu_and_takes_weights(tmp_path_factory):
+    """Recovery on a GPU (``vllm_fleet.py``): the spawned server, sharing the trainer's GPU,
+    is SIGKILLed; it comes back on the same GPU (same command, CUDA_VISIBLE_DEVICES, sleep mode),
+    serves nothing until a push, and after one generates B's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    import os
+    import signal
+
+    root, a, b, _, ref_b = _models(tmp_path_factory)
+    cfg = write_engine_config(root / "server_restart.yaml", a, engine="vllm-server", gpu_memory_utilization=0.2)
+    _, eng = engine_from_config_file(cfg, EngineWorld(cuda=True))
+    try:
+        srv = eng.servers[0]
+        pid = srv.pid
+        os.killpg(pid, signal.SIGKILL)
+        part = eng.generate_partial(PROMPTS, GREEDY)
+        assert part.unfinished == list(range(len(PROMPTS))) and eng.stale == {0} and srv.pid != pid
+        eng.update_weights((n, t.cuda()) for n, t in stream_state_dict(b))
+        assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
+    finally:
+        eng.shutdown()

@@ -10,7 +10,10 @@ the fleet from a config with ``rollout.server_urls=[a, b]``. Shown:
   (checksums on each, greedy tokens of B);
 - balance: with server 1 slowed on purpose (its process group stopped 3/4 of the time by
   SIGSTOP/SIGCONT), the least-outstanding-work policy gives the fast server most of the prompts
-  (``balanced``), and the same check run against a round-robin split fails (it gives each half).
+  (``balanced``), and the same check run against a round-robin split fails (it gives each half);
+- a server lost mid-generation: its requests go to the other (the same answers), the fleet waits
+  for its URL, re-attaches once the supervisor (here: the test) has started it again, and the
+  next push puts it back in service.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megatron_stare.rollout.dispatch import DispatchStats
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 
+from .test_rollout_vllm_server import _running_requests
 from .test_rollout_hf import (MAX_NEW, PROMPTS, assert_matches_reference, engine_from_config_file,
                               reference_outputs, stream_state_dict, write_engine_config)
 
@@ -87,7 +91,8 @@ def fleet(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spawn_cfg = write_engine_config(root / "spawn.yaml", a, engine="vllm-server", sync_bucket_mb=1)
     with ThreadPoolExecutor(2) as pool:  # two servers start side by side
-        servers = [f.result()[1] for f in [pool.submit(engine_from_config_file, spawn_cfg) for _ in range(2)]]
+        # Each a spawned server (a fleet of one: its server is what a launch script would start).
+        servers = [f.result()[1].servers[0] for f in [pool.submit(engine_from_config_file, spawn_cfg) for _ in range(2)]]
     fleet = None
     try:
         urls = [s.base_url for s in servers]
@@ -137,3 +142,40 @@ def test_least_work_balances_a_slowed_server_and_round_robin_does_not(fleet):
     assert shares["least_work"][1], shares
     assert not shares["round_robin"][1] and shares["round_robin"][0] == 0.5, shares
     eng.dispatcher.policy = "least_work"
+
+
+def test_a_lost_server_is_routed_around_and_reattached_after_its_supervisor_restarts_it(fleet):
+    """Server 1 (attached: the fleet owns no process of it) is SIGKILLed while both generate:
+    its requests are placed on server 0 with their seeds, so the batch equals an uninterrupted
+    one (greedy, token for token) and nothing is left unfinished. The fleet waits for server
+    1's URL; the launch script's supervisor (the test) starts it again with the same command and
+    port; the fleet checks it against the spec again, and once the next push reached it, both
+    servers serve."""
+    eng, servers, a, *_ = fleet
+    long = SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True)
+    eng.new_step()
+    eng.dispatcher.window = 8
+    eng.update_weights(stream_state_dict(a, 64 * 1024))
+    want = eng.generate(MANY, long)
+    pid = servers[1].pid
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("part", eng.generate_partial(MANY, long)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not len(eng.servers[1].in_flight) or _running_requests(servers[1].base_url) == 0:
+        assert t.is_alive() and time.monotonic() < deadline, "the generation ended before the kill"
+        time.sleep(0.01)
+    os.killpg(pid, signal.SIGKILL)
+    t.join(120)
+    part = box["part"]
+    assert not part.unfinished and [r.token_ids for r in part.results] == [r.token_ids for r in want]
+    assert 1 in eng.down and eng.dispatch_stats.requests[0] > eng.dispatch_stats.requests[1]
+    assert eng.take_events()[0].startswith(f"rollout server lost: vllm-server at {servers[1].base_url} ")
+    servers[1].restart()  # the supervisor: the same command on the same port
+    assert servers[1].pid != pid
+    eng.update_weights(stream_state_dict(a, 64 * 1024))  # waits for the re-attachment; a new group
+    assert not eng.down and not eng.stale and "rollout server back after" in eng.take_events()[0]
+    again = eng.generate(MANY, long)
+    assert [r.token_ids for r in again] == [r.token_ids for r in want] and min(eng.dispatch_stats.requests) > 0
+    eng.dispatcher.window = 8 * len(eng.servers)
+

@@ -52,7 +52,7 @@ def server(tmp_path_factory):
             yield eng, a, b, reference_outputs(a, PROMPTS, MAX_NEW), reference_outputs(b, PROMPTS, MAX_NEW), root
         finally:
             eng.shutdown()
-    assert eng._proc is None
+    assert eng.servers[0]._proc is None
 
 
 def test_server_weight_push_reproduces_transformers(server):
@@ -113,22 +113,22 @@ def test_attaching_checks_the_server_honours_the_spec(server):
 
     eng, a, b, _, ref_b, root = server
     run = yaml.safe_load((root / "run.yaml").read_text())
-    run["rollout"]["server_urls"] = [eng.base_url]
+    run["rollout"]["server_urls"] = [eng.servers[0].base_url]
     (root / "attach.yaml").write_text(yaml.safe_dump(run))
     _, attached = engine_from_config_file(root / "attach.yaml")
     try:
-        assert attached._proc is None and attached.memory_release.frees is False
+        assert attached.servers[0]._proc is None and attached.memory_release.frees is False
         eng.update_weights(stream_state_dict(b, BUCKET))
         assert_matches_reference(attached.generate(PROMPTS, GREEDY), ref_b)
     finally:
         attached.shutdown()
-    assert eng._proc.poll() is None  # the attached client leaves the server up
+    assert eng.servers[0]._proc.poll() is None  # the attached client leaves the server up
     run["rollout"]["max_new_tokens"] = 100  # a context of 164 tokens; the server holds 128
     run["model"]["dtype"] = "bfloat16"
     (root / "attach.yaml").write_text(yaml.safe_dump(run))
     with pytest.raises(ValueError) as e:
         engine_from_config_file(root / "attach.yaml")
-    assert str(e.value) == (f"vllm-server at {eng.base_url} does not match the run: dtype float32 (the run "
+    assert str(e.value) == (f"vllm-server at {eng.servers[0].base_url} does not match the run: dtype float32 (the run "
                             f"needs bfloat16), context_length 128 (the run needs 164); start it with the "
                             f"command `python -m megatron_stare.rollout.server_cmd` prints")
 
@@ -170,7 +170,7 @@ def test_a_preemption_aborts_the_servers_requests_and_it_serves_on(server):
     seen = {}
 
     def generating() -> bool:
-        if "t" not in seen and _running_requests(eng.base_url) > 0:
+        if "t" not in seen and _running_requests(eng.servers[0].base_url) > 0:
             seen["t"] = time.monotonic()
         return "t" in seen
 
@@ -182,47 +182,129 @@ def test_a_preemption_aborts_the_servers_requests_and_it_serves_on(server):
     finally:
         eng.set_interrupt(lambda: False)
     assert time.monotonic() - seen["t"] < 10
-    assert _running_requests(eng.base_url) == 0
+    assert _running_requests(eng.servers[0].base_url) == 0
     assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_a)
 
 
-def test_server_killed_mid_rollout_names_itself(server):
-    """Last in this module: it kills the module's server (process group, SIGKILL) while requests
-    are running. The rollout fails at once with one line naming the server (pid, URL, exit code,
-    the call) and the tail of its log; a later call fails the same way, without waiting."""
-    import os
-    import signal
+LONG = SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True)  # greedy: seeds aside, exact
+
+
+def _mid_generation(eng, prompts, params, fault):
+    """``eng.generate_partial(prompts, params)`` in a thread; ``fault()`` once the server runs
+    requests; returns what the generation kept."""
     import threading
     import time
 
-    from megatron_stare.rollout.vllm_server import EngineFailure
-
-    eng = server[0]
-    pid = eng._proc.pid
-    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=3)
     box = {}
-
-    def rollout():
-        try:
-            eng.generate(PROMPTS * 8, params)
-        except BaseException as e:  # noqa: BLE001 - examined by the test
-            box["error"] = e
-
-    t = threading.Thread(target=rollout)
+    t = threading.Thread(target=lambda: box.setdefault("part", eng.generate_partial(prompts, params)))
     t.start()
     deadline = time.monotonic() + 60
-    while _running_requests(eng.base_url) == 0:  # mid-rollout: the server is generating
-        assert t.is_alive() and time.monotonic() < deadline, "the rollout ended before the kill"
+    while _running_requests(eng.servers[0].base_url) == 0:
+        assert t.is_alive() and time.monotonic() < deadline, "the generation ended before the fault"
         time.sleep(0.01)
-    os.killpg(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    t.join(60)
-    assert not t.is_alive() and time.monotonic() - killed < 30  # not the 600 s request timeout
-    err = box.get("error")
-    assert isinstance(err, EngineFailure), repr(err)
-    first, tail = str(err).split("\n", 1)
-    assert f"vllm-server (pid {pid}, {eng.base_url}) died with exit code -9 during /v1/completions" in first
-    assert tail.strip() and tail.strip().splitlines()[-1] in eng.log_tail()
-    with pytest.raises(EngineFailure, match=rf"pid {pid}.*died with exit code -9 during /v1/completions"):
-        eng.generate(PROMPTS[:1], GREEDY)
+    fault()
+    t.join(120)
+    assert not t.is_alive()
+    return box["part"]
 
+
+def _engine_cores(pid: int):
+    """The ``EngineCore`` processes in the server's process group (vLLM titles them so)."""
+    import os
+
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and os.getpgid(int(p)) == pid and b"EngineCore" in open(f"/proc/{p}/cmdline", "rb").read():
+                out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
+def test_engine_core_killed_mid_generation_is_restarted_and_regenerates_exactly(server):
+    """SIGKILL the server's engine core while it generates: what finished is kept, the server is
+    restarted with its command (same port), serves nothing until a push gives it the trainer's
+    weights, then the unfinished prompts are generated again with their seeds: the batch equals
+    an uninterrupted generation, token for token."""
+    import os
+    import signal
+
+    eng, a, *_ = server
+    eng.new_step()
+    eng.update_weights(stream_state_dict(a, BUCKET))
+    prompts = PROMPTS * 6
+    want = eng.generate(prompts, LONG)
+    srv = eng.servers[0]
+    old_pid, url = srv.pid, srv.base_url
+    part = _mid_generation(eng, prompts, LONG, lambda: [os.kill(p, signal.SIGKILL) for p in _engine_cores(old_pid)])
+    assert part.unfinished and eng.fatal is None and eng.stale == {0} and not eng.down
+    assert srv.pid != old_pid and srv.base_url == url and srv.alive()
+    lines = eng.take_events()
+    assert lines[0].startswith(f"rollout server lost: vllm-server (pid {old_pid}, {url})") and "restarting it (1 of" in lines[0]
+    assert lines[1].startswith("rollout server back after") and f"pid {srv.pid}" in lines[1]
+    with pytest.raises(Exception, match="unanswered"):  # stale weights: it waits for a push
+        eng.generate(prompts[:1], LONG)
+    eng.update_weights(stream_state_dict(a, BUCKET))
+    assert not eng.stale
+    again = eng.generate_partial([prompts[i] for i in part.unfinished], LONG, prompt_indices=part.unfinished)
+    got = sorted(part.results + again.results, key=lambda r: (r.prompt_index, r.sample_index))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_hung_server_and_a_kill_in_the_push_are_recovered_then_the_bound_ends_it(server):
+    """In one step (the per-step bound is 2): the server is SIGSTOPped
+    mid-generation past rollout.request_timeout_s (its token counter stands still): declared
+    hung, killed, restarted. Then it is killed in a weight push: the push fails naming it, the
+    server comes back and the next push reaches it. A third loss in the step is past the bound:
+    one line naming the server, its pid, URL, what happened and its log; no restart."""
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    eng, a, b, ref_a, ref_b, _ = server
+    srv = eng.servers[0]
+    eng.new_step()
+    eng.limits = dataclasses.replace(eng.limits, request_timeout_s=4.0)
+    prompts = PROMPTS * 6
+    want = eng.generate(prompts, LONG)
+    stopped = srv.pid
+    t0 = time.monotonic()
+    part = _mid_generation(eng, prompts, LONG, lambda: os.killpg(stopped, signal.SIGSTOP))
+    assert part.unfinished and eng.stale == {0} and srv.pid != stopped and time.monotonic() - t0 < 120
+    lost = eng.take_events()[0]
+    assert f"(pid {stopped}, " in lost and "made no tokens for" in lost and "declared hung" in lost
+    eng.update_weights(stream_state_dict(a, BUCKET))
+    again = eng.generate_partial([prompts[i] for i in part.unfinished], LONG, prompt_indices=part.unfinished)
+    got = sorted(part.results + again.results, key=lambda r: (r.prompt_index, r.sample_index))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+    # Killed in a weight push (its receiving RPC is in flight): the push names it, it comes back.
+    pid = srv.pid
+
+    def slow_stream():
+        for i, item in enumerate(stream_state_dict(b, BUCKET)):
+            if i == 3:
+                os.killpg(pid, signal.SIGKILL)
+                time.sleep(0.5)
+            yield item
+
+    with pytest.raises(Exception, match=rf"vllm-server \(pid {pid}, "):
+        eng.update_weights(slow_stream())
+    assert eng.needs_resync and eng.restarts_step == 2
+    eng.update_weights(stream_state_dict(b, BUCKET))  # waits for the restart, forms a new group
+    assert srv.pid != pid and not eng.needs_resync and not eng.stale
+    assert_matches_reference(eng.generate(PROMPTS, GREEDY), ref_b)
+
+    # A third loss in the step: past rollout.max_engine_restarts_per_step (2).
+    pid, url, log_name = srv.pid, srv.base_url, srv.log_name
+    part = _mid_generation(eng, prompts, LONG, lambda: os.killpg(pid, signal.SIGKILL))
+    assert part.unfinished and eng.fatal
+    assert f"vllm-server (pid {pid}, {url}) died with exit code -9 during /v1/completions" in eng.fatal
+    assert f"log {log_name}" in eng.fatal and "rollout.max_engine_restarts_per_step=2" in eng.fatal
+    assert srv._proc.poll() is not None  # not restarted
+    from megatron_stare.rollout.vllm_fleet import EngineLost
+
+    with pytest.raises(EngineLost):
+        eng.generate(PROMPTS[:1], GREEDY)

@@ -51,3 +51,27 @@ def test_ctrl_c_is_forwarded_once_per_press_then_kills(monkeypatch):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_colocated_engines_death_is_named_with_its_rank(tmp_path, monkeypatch):
+    """Ranks record their colocated engines beside the status file; when the run fails, the
+    launcher says which engine ended with which rank, and how the rank ended (torchrun's
+    ``ProcessFailure``), one line per such rank; a failed rank with no engine adds nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    status = tmp_path / "status"
+    monkeypatch.setenv(run.STATUS_FILE_ENV, str(status))
+    for rank, engine, where in [(0, "sglang", "server pid 4242, log /tmp/sglang_x.log"),
+                                (1, "vllm", "in the rank's process")]:
+        monkeypatch.setenv("RANK", str(rank))
+        run.note_engine(engine, where)
+    engines = run.read_engines(str(status))
+    assert sorted(engines) == [0, 1] and engines[1]["pid"] == os.getpid()
+    failures = {1: ProcessFailure(local_rank=1, pid=777, exitcode=-9, error_file=str(tmp_path / "none")),
+                0: ProcessFailure(local_rank=0, pid=776, exitcode=1, error_file=str(tmp_path / "none")),
+                2: ProcessFailure(local_rank=2, pid=778, exitcode=-15, error_file=str(tmp_path / "none"))}
+    assert run.engine_deaths(failures, {**engines, 3: engines[1]}) == [
+        "rank 0 (pid 776) exited with code 1; its colocated sglang engine (server pid 4242, log "
+        "/tmp/sglang_x.log) ended with it: rerun the same command to resume from the last complete checkpoint",
+        "rank 1 (pid 777) ended by SIGKILL; its colocated vllm engine (in the rank's process) ended with it: "
+        "rerun the same command to resume from the last complete checkpoint"]

@@ -6,10 +6,12 @@ chat model (SmolLM2-135M-Instruct) can partly solve, so GRPO groups have mixed r
 - Rows are verl parquet rows as users bring them: ``prompt`` chat messages (one user turn),
   ``data_source``, ``ability``, ``reward_model.ground_truth`` and ``extra_info`` (tier, index).
 - Tiers (``TIERS``) set the number of operations: 1 (``a + b``), 2 and 3 steps, with small
-  operands; the split is deterministic in ``(split, n, seed)`` and train / held-out problems are
-  disjoint (the held-out split draws from another seed stream and drops any train duplicate).
-- ``compute_score(data_source, solution_str, ground_truth, extra_info)``: 1.0 when the last
-  number in the response equals the answer (a ``\\boxed{}`` answer wins when present), else 0.
+  operands; tier 0 (opt-in: ``make_rows(..., tiers=...)``) is one step with single-digit operands.
+  The split is deterministic in ``(split, n, seed)`` and train / held-out problems are disjoint
+  (the held-out split draws from another seed stream and drops any train duplicate).
+- ``compute_score(data_source, solution_str, ground_truth, extra_info)``: 1.0 when the response's
+  answer (``extract_answer``: the last ``\\boxed{}``, else the last explicit "the answer is N" /
+  "Answer: N", else the last equation's result, else the last number) equals the answer, else 0.
 """
 
 from __future__ import annotations
@@ -21,24 +23,24 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["TIERS", "compute_score", "make_rows", "write_split"]
+__all__ = ["TIERS", "compute_score", "extract_answer", "make_rows", "write_split"]
 
 DATA_SOURCE = "word_problems"
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "coins", "cards")
-#: tier -> number of arithmetic steps.
-TIERS = {1: 1, 2: 2, 3: 3}
+#: tier -> number of arithmetic steps. Tier 0 is one step with single-digit operands.
+TIERS = {0: 1, 1: 1, 2: 2, 3: 3}
 INSTRUCTION = "Solve the problem. End your answer with the final number."
 
 
-def _problem(rng: random.Random, steps: int) -> Dict[str, object]:
+def _problem(rng: random.Random, steps: int, small: bool = False) -> Dict[str, object]:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    total = rng.randint(3, 20)
+    total = rng.randint(2, 9) if small else rng.randint(3, 20)
     text = [f"{name} has {total} {item}."]
     for _ in range(steps):
         op = rng.choice(("buy", "give", "double") if total <= 40 else ("give",))
         if op == "buy":
-            k = rng.randint(2, 15)
+            k = rng.randint(1, 9) if small else rng.randint(2, 15)
             text.append(f"Then {name} buys {k} more.")
             total += k
         elif op == "give" and total > 1:
@@ -59,7 +61,7 @@ def make_rows(split: str, n: int, seed: int = 0, tiers: Sequence[int] = (1, 2, 3
     rows, seen = [], set(exclude or ())
     while len(rows) < n:
         tier = tiers[len(rows) % len(tiers)]
-        p = _problem(rng, TIERS[tier])
+        p = _problem(rng, TIERS[tier], small=tier == 0)
         if p["question"] in seen:
             continue
         seen.add(p["question"])
@@ -87,18 +89,59 @@ def write_split(out_dir, n_train: int = 512, n_test: int = 64, seed: int = 0) ->
     return paths
 
 
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+_NUM = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
+_NUMBER = re.compile(_NUM)
+#: a number that is a result, not an operand: no digit and no arithmetic operator on after it.
+_RESULT = _NUM + r"(?![\d.,]\d)(?!\s*[-+*/×÷x]\s*\d)"
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+#: an explicit answer statement: "the answer is N", "Answer: N", "final answer = N"; its span runs
+#: to the end of the sentence (". " or a line break).
+_ANSWER = re.compile(r"\banswer\b\s*(?:is|was|:|=)\s*:?\s*(.*?)(?:\.(?:\s|$)|\n|$)", re.IGNORECASE)
+_EQUALS = re.compile(r"=\s*\$?\s*(" + _RESULT + r")")
+
+
+def _to_float(num: str) -> float:
+    return float(num.replace(",", ""))
+
+
+def extract_answer(solution_str: str) -> Optional[float]:
+    """The response's answer, or None when it states no number. In order of precedence:
+
+    1. the last ``\\boxed{...}``: its last number;
+    2. the last explicit answer statement ("the answer is N", "Answer: N", "final answer = N"):
+       within its sentence, the result of an equation there ("The answer is 3 + 4 = 7" -> 7), else its
+       first number that is not an operand ("The answer is: Ava has 7 apples" -> 7);
+    3. the result of the last equation ("... 15 - 12 = 3 books left. To find out ..." -> 3);
+    4. the last number.
+    """
+    boxed = _BOXED.findall(solution_str)
+    if boxed:
+        nums = _NUMBER.findall(boxed[-1])
+        return _to_float(nums[-1]) if nums else None
+    stated = _ANSWER.findall(solution_str)
+    for span in reversed(stated):
+        eq = _EQUALS.findall(span)
+        if eq:
+            return _to_float(eq[-1])
+        first = re.search(_RESULT, span)
+        if first:
+            return _to_float(first.group(0))
+    eq = _EQUALS.findall(solution_str)
+    if eq:
+        return _to_float(eq[-1])
+    nums = _NUMBER.findall(solution_str)
+    return _to_float(nums[-1]) if nums else None
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
-    """verl's reward signature: 1.0 if the response's final number (a ``\\boxed{}`` one first)
+    """verl's reward signature: 1.0 if the response's answer (``extract_answer``: a ``\\boxed{}``
+    one, else an explicit "answer is N", else the last equation's result, else the last number)
     equals ``ground_truth``, else 0.0."""
-    boxed = re.findall(r"\\boxed\{([^}]*)\}", solution_str)
-    candidates = _NUMBER.findall(boxed[-1]) if boxed else _NUMBER.findall(solution_str)
-    if not candidates:
+    answer = extract_answer(solution_str)
+    if answer is None:
         return 0.0
     try:
-        return float(float(candidates[-1].replace(",", "")) == float(ground_truth))
+        return float(answer == float(ground_truth))
     except ValueError:
         return 0.0
 

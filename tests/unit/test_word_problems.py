@@ -1,0 +1,65 @@
+"""The word-problem task (megatron_stare/demo/word_problems.py): answer extraction and the split."""
+
+import pytest
+
+from megatron_stare.demo.word_problems import INSTRUCTION, TIERS, compute_score, extract_answer, make_rows
+
+
+@pytest.mark.parametrize("text, expected", [
+    # 1. \boxed{} wins over everything, its last number; the last box when several.
+    ("3 + 4 = 7, so \\boxed{7}. Later I had 9.", 7),
+    ("\\boxed{5} no wait \\boxed{1,200}", 1200),
+    ("The answer is 3. \\boxed{8}", 8),
+    # 2. an explicit answer statement wins over later talk and later numbers ...
+    ("The answer is 12. To check, 12 - 5 = 7 and 7 + 5 = 12 again, so 4 more steps.", 12),
+    ("Answer: 6\nI hope this helps with your 2 questions.", 6),
+    ("So Ava has 8 apples.\nThe answer is: 8", 8),
+    ("The final answer = 15. Let me know if you have 3 more.", 15),
+    # ... its first number that is not an operand, or the result of an equation in its sentence ...
+    ("The answer is: Ava has 7 apples. She had 3 before.", 7),
+    ("The answer is 3 + 4 = 7. Then 9.", 7),
+    ("The answer is 5.5. Later 6.", 5.5),
+    # ... and the last statement wins when there are several.
+    ("My first answer was 4. Checking again, the correct answer is 5. Thanks for 2 tries.", 5),
+    # "answer" without a statement ("To find the answer, ...") is no statement.
+    ("To find the answer, we add 3 and 4. 3 + 4 = 7", 7),
+    # 3. the last equation's result, not an operand of a later expression and not a later number.
+    ("15 - 12 = 3 books left. To find out how many books Emma has now, we can calculate 4", 3),
+    ("3 + 4 = 7 + 2 = 9 apples. She has 2 friends.", 9),
+    ("12 + 2 = 14", 14),
+    ("5 x 2 = 10 cookies, then 10 - 3 = 7. Emma shares with 2 friends.", 7),
+    ("The total is 1,200 = 1,200 coins for 3 days.", 1200),
+    ("-3 + 1 = -2", -2),
+    # 4. the last number when nothing else says which.
+    ("Ben had 4 and now has 9", 9),
+    ("Ava has 1,000 coins.", 1000),
+    ("no number at all", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_compute_score_verl_signature():
+    assert compute_score("word_problems", "3 + 4 = 7 apples. How many do I have? 2 friends help.", "7") == 1.0
+    assert compute_score(data_source="word_problems", solution_str="The answer is 8.", ground_truth="7",
+                         extra_info={"tier": 1}) == 0.0
+    assert compute_score("word_problems", "I don't know.", "7") == 0.0
+    assert compute_score("word_problems", "\\boxed{}", "7") == 0.0
+    assert compute_score("word_problems", "7", "seven") == 0.0  # a malformed ground truth scores 0, no raise
+    assert compute_score("word_problems", "The answer is 7.0", "7") == 1.0
+
+
+def test_tier0_single_digit_one_step_and_disjoint_split():
+    assert TIERS[0] == 1
+    rows = make_rows("test", 48, 0, tiers=(0,))
+    for r in rows:
+        q = r["prompt"][0]["content"].rsplit(" " + INSTRUCTION, 1)[0]
+        nums = [int(t.rstrip(".")) for t in q.split() if t.rstrip(".").isdigit()]
+        assert len(nums) <= 2 and all(1 <= n <= 9 for n in nums), q
+        assert q.count("Then ") == 1
+    train = make_rows("train", 256, 0, tiers=(0, 1, 2, 3))
+    seen = {r["prompt"][0]["content"] for r in train}
+    test = make_rows("test", 64, 0, tiers=(0, 1, 2, 3), exclude={c.rsplit(" " + INSTRUCTION, 1)[0] for c in seen})
+    assert not seen & {r["prompt"][0]["content"] for r in test}
+    assert make_rows("test", 64, 0, tiers=(0, 1, 2, 3)) == make_rows("test", 64, 0, tiers=(0, 1, 2, 3))

@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here unless asked")
     ap.add_argument("--micro-batch", type=int, default=0, help="completions per forward/backward (0: all)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -97,7 +98,8 @@ def main() -> int:
         gradient_accumulation_steps=batch // micro, num_generations=a.n, max_completion_length=a.length,
         generation_kwargs={"min_new_tokens": a.length}, temperature=1.0, learning_rate=a.lr, beta=0.0,
         max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=a.bf16, seed=1, log_completions=False, dataloader_num_workers=0, disable_dropout=True)
+        bf16=a.bf16, gradient_checkpointing=a.gradient_checkpointing, seed=1, log_completions=False,
+        dataloader_num_workers=0, disable_dropout=True)
     model_kwargs = {"dtype": torch.bfloat16 if a.bf16 else torch.float32}
     cfg.model_init_kwargs = model_kwargs
     gate_cb = Gate(gate)

@@ -7,7 +7,7 @@ prompts x 4 completions, lr 1e-4, every completion exactly ``L`` new tokens (EOS
 layout ``--layout``); TRL runs in its own virtual environment (``--trl-venv``, made here on first
 use with ``trl==1.16.0`` and the CPU torch; never the project's ``.venv``) via ``_vs_trl_trl.py``.
 Both stay alive through the run and take turns: each round, in a shuffled order, one step of
-each while the other sleeps, then a torch.matmul probe of the machine's fp32 GEMM peak (2 threads).
+each while the other sleeps, after a torch.matmul probe of the machine's fp32 GEMM peak (``machine_peak``).
 The first ``--warmup`` rounds are not counted; the figures are medians over the other rounds,
 the ratio the median of the paired per-round ratios.
 
@@ -49,7 +49,7 @@ LAYOUTS = {
     "pp2-vllm-server": ("parallel.tp=1", "parallel.pp=2", "rollout.engine=vllm-server"),
     "dp2-hf": ("parallel.tp=1", "rollout.engine=hf"),
 }
-PROJECT_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+PROJECT_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "PYTHONWARNINGS": "ignore"}
 
 
@@ -66,7 +66,7 @@ def ensure_trl_venv(venv: Path) -> Path:
     return py
 
 
-def matmul_peak(threads: int = 2, n: int = 2048, reps: int = 5) -> float:
+def matmul_peak(threads: int = 2, n: int = 2048, reps: int = 10) -> float:
     """fp32 GEMM GFLOP/s of ``torch.matmul`` on ``n x n`` operands with ``threads`` threads: the
     best of ``reps`` calls (a peak: the least disturbed call)."""
     old = torch.get_num_threads()
@@ -78,6 +78,12 @@ def matmul_peak(threads: int = 2, n: int = 2048, reps: int = 5) -> float:
         return 2.0 * n ** 3 / best / 1e9
     finally:
         torch.set_num_threads(old)
+
+
+def machine_peak() -> float:
+    """The 2 cores' fp32 GEMM peak: the better of one 2-thread process and twice one thread (the
+    ranks run one thread each; on a shared machine a 2-thread GEMM waits for its slower thread)."""
+    return max(matmul_peak(2), 2 * matmul_peak(1))
 
 
 def _time(fn) -> float:
@@ -131,7 +137,8 @@ def project_side(args, length: int, steps: int, data: Path, model: Path, gate: P
            f"logging.dir={gate / 'logs'}", "logging.tensorboard=false", f"trainer.total_steps={steps}",
            f"trainer.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={length}",
            f"optimizer.lr={args.lr}", "rollout.temperature=1.0", "rollout.verify_sync=off",
-           "algorithm.policy_loss=vanilla", f"parallel.micro_batch_tokens={args.micro_batch_tokens}",
+           "algorithm.policy_loss=vanilla", "rollout.cpu_kv_cache_gb=0.5",
+           f"parallel.micro_batch_tokens={args.micro_batch_tokens}",
            *LAYOUTS[args.layout], *args.project_override]
     return Side("project", cmd, {**PROJECT_ENV, "BENCH_GATE": str(gate),
                                  "BENCH_PROFILE_STEP": str(args.profile_step)}, gate)
@@ -141,7 +148,8 @@ def trl_side(args, py: Path, length: int, steps: int, data: Path, model: Path, g
     cmd = [str(py), str(ROOT / "benchmarks" / "_vs_trl_trl.py"), "--model", str(model), "--data", str(data),
            "--length", str(length), "--steps", str(steps), "--gate", str(gate), "--prompts", str(args.prompts),
            "--n", str(args.n), "--lr", str(args.lr), "--threads", str(args.trl_threads),
-           "--micro-batch", str(args.trl_micro_batch), *(["--bf16"] if args.trl_bf16 else [])]
+           "--micro-batch", str(args.trl_micro_batch), *(["--bf16"] if args.trl_bf16 else []),
+           *(["--gradient-checkpointing"] if args.trl_gradient_checkpointing else [])]
     return Side("trl", cmd, {"OMP_NUM_THREADS": str(args.trl_threads), "PYTHONWARNINGS": "ignore",
                              "TOKENIZERS_PARALLELISM": "false"}, gate)
 
@@ -175,6 +183,16 @@ def summarize(shape: FlopShape, rows: List[dict], peak: float, batch: int, lengt
     return out
 
 
+def row(name: str, got: dict) -> dict:
+    """One side's ``done_<k>.json`` as a row: step seconds, phases, sequence lengths, generated."""
+    if name == "project":
+        m = got["metrics"]
+        return {"step_s": got["step_s"], "phases": project_phases(m), "seq_lens": got["seq_lens"],
+                "generated": int(m["rollout/generated_tokens"])}
+    return {"step_s": got["step_s"], "phases": trl_phases(got["phases"]), "seq_lens": got["seq_lens"],
+            "generated": got["generated"]}
+
+
 def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Path, work: Path) -> dict:
     steps = args.warmup + args.rounds
     sides = {"project": project_side(args, length, steps, data, model, work / f"project_L{length}")}
@@ -185,30 +203,35 @@ def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Pat
     order = random.Random(length)
     try:
         for k in range(steps):
+            # Before the round's steps: both sides are idle then (after the last step they exit).
+            peaks.append(machine_peak())
+            print(f"L={length} round {k}: matmul probe {peaks[-1]:.1f} GFLOP/s", flush=True)
             for name in order.sample(list(sides), len(sides)):
-                got = sides[name].step(k, args.step_timeout)
-                phases = project_phases(got["metrics"]) if name == "project" else trl_phases(got["phases"])
-                if name == "project":
-                    got["generated"] = int(got["metrics"]["rollout/generated_tokens"])
-                rows[name].append({"step_s": got["step_s"], "phases": phases, "seq_lens": got["seq_lens"],
-                                   "generated": got["generated"]})
-                print(f"L={length} round {k}{' (warm-up)' if k < args.warmup else ''} {name}: "
-                      f"step {got['step_s']:.1f} s | " + " ".join(f"{p} {v:.1f}" for p, v in phases.items()), flush=True)
-            peaks.append(matmul_peak(args.probe_threads))
+                r = row(name, sides[name].step(k, args.step_timeout))
+                rows[name].append(r)
+                print(f"L={length} round {k}{' (warm-up)' if k < args.warmup else ''} {name}: step {r['step_s']:.1f} s | "
+                      + " ".join(f"{p} {v:.1f}" for p, v in r["phases"].items()), flush=True)
     finally:
         for s in sides.values():
             s.close()
-    counted = {n: r[args.warmup:] for n, r in rows.items()}
-    peak = max(peaks)
     shape = FlopShape.from_hf_config(json.loads((model / "config.json").read_text()))
-    batch = args.prompts * args.n
-    out = {"length": length, "matmul_peak_gflops": peak, "matmul_probes_gflops": peaks,
-           "project": summarize(shape, counted["project"], peak, batch, length)}
+    out = result(shape, {n: r[args.warmup:] for n, r in rows.items()}, peaks, args.prompts * args.n, length)
+    out["settings"] = {"warmup_rounds": args.warmup, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+                       "trl_micro_batch": args.trl_micro_batch, "trl_bf16": args.trl_bf16,
+                       "project_micro_batch_tokens": args.micro_batch_tokens, "layout": args.layout}
+    return out
+
+
+def result(shape: FlopShape, counted: Dict[str, List[dict]], peaks: List[float], batch: int, length: int) -> dict:
+    """One length's record from the counted rows of each side and the round's matmul probes."""
     for name, r in counted.items():  # EOS was ignored on both sides: every completion is L tokens
         gen = {x["generated"] for x in r}
         if gen != {batch * length} or any(len(x["seq_lens"]) != batch for x in r):
             raise RuntimeError(f"{name} generated {gen} tokens in {len(r[0]['seq_lens'])} sequences, "
                                f"not {batch} x {length}")
+    peak = max(peaks)
+    out = {"length": length, "rounds": len(counted["project"]), "matmul_peak_gflops": peak,
+           "matmul_probes_gflops": peaks, "project": summarize(shape, counted["project"], peak, batch, length)}
     if "trl" in counted:
         out["trl"] = summarize(shape, counted["trl"], peak, batch, length)
         out["step_ratio_trl_over_project"] = statistics.median(
@@ -237,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="counted rounds per length")
     ap.add_argument("--warmup", type=int, default=1, help="rounds not counted (the first step warms up)")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2-vllm")
-    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--project-override", nargs="*", default=[], help="more a.b=c overrides for the trainer")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
@@ -245,9 +268,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt-length", type=int, default=96)
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--trl-bf16", action="store_true")
-    ap.add_argument("--trl-micro-batch", type=int, default=0, help="completions per forward/backward (0: all 32)")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="TRL's default (recomputes the forward in backward); off: faster where memory allows")
+    ap.add_argument("--trl-micro-batch", type=int, default=8,
+                    help="completions per forward/backward (0: all 32, which ran out of memory beside the project)")
     ap.add_argument("--trl-venv", type=Path, default=DEFAULT_VENV)
-    ap.add_argument("--probe-threads", type=int, default=2)
     ap.add_argument("--step-timeout", type=float, default=1800)
     ap.add_argument("--model", type=Path, default=None, help="HF model directory (default: the fetched SmolLM2)")
     ap.add_argument("--profile-step", type=int, default=-1,
@@ -256,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="keep the runs' files (logs, profiles) here")
     ap.add_argument("--smoke", action="store_true", help="one project step at L=8, no TRL, nothing written")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.json")
+    ap.add_argument("--append", action="store_true",
+                    help="keep --out's results for the lengths not run now (a length at a time)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.lengths, args.rounds, args.warmup = [8], 1, 0
@@ -267,6 +294,7 @@ def main(argv=None) -> int:
 
     trl_py = None if args.smoke else ensure_trl_venv(args.trl_venv)
     results = []
+    kept = json.loads(args.out.read_text())["results"] if args.append and args.out.exists() else []
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         work = args.work_dir or Path(tmp)
         data = write_split(work / "data", n_train=max(64, args.prompts * (args.warmup + args.rounds)), n_test=8)["train"]
@@ -274,23 +302,25 @@ def main(argv=None) -> int:
             res = run_length(args, length, trl_py, args.model, data, work)
             report(res)
             results.append(res)
+            if not args.smoke:  # after each length: a later one may not finish
+                write_record(args, [r for r in kept if r["length"] not in args.lengths] + results)
     if args.smoke:
         print(json.dumps(results[0]))
-        return 0
+    return 0
+
+
+def write_record(args, results: List[dict]) -> None:
     record = {"machine": {"torch": torch.__version__, "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
               "job": {"model": args.model.name, "prompts": args.prompts, "n": args.n, "lr": args.lr,
-                      "rounds": args.rounds, "warmup": args.warmup},
-              "project": {"layout": args.layout, "micro_batch_tokens": args.micro_batch_tokens,
-                          "overrides": list(LAYOUTS[args.layout]) + args.project_override,
+                      "warmup_rounds": args.warmup},
+              "project": {"overrides": list(LAYOUTS[args.layout]) + args.project_override,
                           "threads_per_rank": 1, "loss": "vanilla (GRPO clip), token-mean", "dtype": "float32"},
-              "trl": {"version": TRL_PINS[1], "threads": args.trl_threads, "bf16": args.trl_bf16,
-                      "micro_batch": args.trl_micro_batch or args.prompts * args.n, "engine": "HF generate",
-                      "loss": "dapo (default), beta 0"},
-              "results": results}
+              "trl": {"version": TRL_PINS[1], "threads": args.trl_threads, "engine": "HF generate",
+                      "loss": "dapo (default), beta 0", "per_length_settings": "results[i].settings"},
+              "results": sorted(results, key=lambda r: r["length"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"written: {args.out}")
-    return 0
+    print(f"written: {args.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,10 @@ class EngineRecovery:
         if self.fleet is not None:
             self.fleet.new_step()
 
-    def agree(self, unfinished: bool = False) -> Agreement:
+    def agree(self, unfinished: bool = False, probing: bool = True) -> Agreement:
         """One all-reduce (MAX) over every rank of the driver's flags; the fleet's events are
-        said on the way. Raises ``EngineLost`` on every rank when the fleet gave up."""
+        said on the way. Raises ``EngineLost`` on every rank when the fleet gave up.
+        ``probing``: the caller acts on ``probe`` (the fleet's flag is then cleared)."""
         f = self.fleet
         flags = [unfinished, False, False, False]
         if f is not None:
@@ -77,7 +78,7 @@ class EngineRecovery:
         if a.fatal:
             raise EngineLost(f.fatal if f is not None and f.fatal else "the driver rank's rollout server was lost "
                              "past rollout.max_engine_restarts (its line is on rank 0)")
-        if a.probe and f is not None:
+        if a.probe and probing and f is not None:
             f.needs_probe = False  # the caller probes now (or at the next chance)
         return a
 
@@ -93,7 +94,7 @@ class EngineRecovery:
                 got = run(todo)
                 done += got.results
                 todo = list(got.unfinished)
-            if not self.agree(unfinished=bool(todo)).unfinished:
+            if not self.agree(unfinished=bool(todo), probing=False).unfinished:  # the re-sync probes
                 break
             resync()
         if part is None:

@@ -44,6 +44,7 @@ whenever a request is left unfinished.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,6 +203,7 @@ class VLLMServerFleet(RolloutEngine):
                 return
             self.down.add(b)
             what = str(err).splitlines()[0] if str(err) else type(err).__name__
+            what = re.sub(r"; its log tail \((\S+), kept\):$", r" (log \1)", what)  # the tail is in the log
             if self.fatal is not None:
                 return
             self.restarts_run += 1

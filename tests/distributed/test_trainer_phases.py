@@ -51,11 +51,14 @@ def _steps(rank, world, assets: Path, engine: str, steps: int):
     if tr.engine is not None:
         sleeping = getattr(tr.engine, "is_sleeping", lambda: None)
         for name in ENGINE_CALLS:
-            def spy(*a, _real=getattr(tr.engine, name), _name=name, **k):
+            # vllm-server's fleet generates through generate_partial (its generate calls it too).
+            attr = "generate_partial" if name == "generate" and hasattr(tr.engine, "generate_partial") else name
+
+            def spy(*a, _real=getattr(tr.engine, attr), _name=name, **k):
                 out = _real(*a, **k)
                 calls.append((_name, tr.engine.memory.name, sleeping()))
                 return out
-            setattr(tr.engine, name, spy)
+            setattr(tr.engine, attr, spy)
     real_score = tr.score
 
     def score(prompts, results):

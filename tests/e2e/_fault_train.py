@@ -12,7 +12,8 @@ rank it strikes (default: every rank). Kinds:
 - ``kill-in-save``: the rank dies inside the step's checkpoint save, at its first file move
   into the ``.partial`` directory (the save was under way and is not finished);
 - ``kill-engine-core``: the driver rank's server engine (``vllm-server``) loses its engine-core
-  process (SIGKILL) as the step's generation starts; the server answers, or dies, for itself;
+  process (SIGKILL) mid-generation, once its requests are in flight (the step's first
+  generation only); the server answers, or dies, for itself;
 - ``slow-write``: the step's checkpoint save (``checkpoint.async_save``: in the background) is
   slow: each of megatron-core's writer workers, once it has opened its file, writes an empty file
   ``slow_writer.r<rank>.<pid>`` into ``logging.dir`` and sleeps ``SLOW_WRITE_S`` before writing
@@ -166,13 +167,23 @@ class FaultyTrainer(train.Trainer):
                                      f"asynchronous (its generation runs ahead, in the pipeline)")
                 stack.enter_context(mock.patch.object(self.engine, "generate", _die))
             elif kind == "kill-engine-core":
-                generate = self.engine.generate
+                # The fleet's generation (the trainer calls generate_partial when it recovers).
+                name = "generate_partial" if hasattr(self.engine, "generate_partial") else "generate"
+                generate, fired = getattr(self.engine, name), []
+
+                def kill_when_busy():  # mid-generation: once the server has requests in flight
+                    deadline = time.monotonic() + 30
+                    while not len(self.engine.servers[0].in_flight) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    _kill_engine_cores()
 
                 def generate_without_core(*args, **kwargs):
-                    _kill_engine_cores()
+                    if not fired:  # the step's first generation only (not its regeneration)
+                        fired.append(threading.Thread(target=kill_when_busy, daemon=True))
+                        fired[0].start()
                     return generate(*args, **kwargs)
 
-                stack.enter_context(mock.patch.object(self.engine, "generate", generate_without_core))
+                stack.enter_context(mock.patch.object(self.engine, name, generate_without_core))
             elif kind == "slow-write":  # in effect when the save forks its writer, which keeps it
                 from megatron.core.dist_checkpointing.strategies import filesystem_async
 

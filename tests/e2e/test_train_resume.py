@@ -443,7 +443,7 @@ def test_server_engine_core_dies_and_the_run_goes_on(assets, tmp_path):
     assert "[fault] killed engine core" in out.stderr, out.stderr[-3000:]
     text = out.stdout + out.stderr
     lost = re.search(r"rollout server lost: vllm-server \(pid (\d+), (http://127\.0\.0\.1:\d+)\) (replied HTTP 5\d\d|"
-                     r"died with exit code|did not answer)[^\n]* during /v1/completions; restarting it \(1 of at most 2 "
+                     r"died with exit code|did not answer)[^\n]* during /v1/completions \(log \S+\); restarting it \(1 of at most 2 "
                      r"this step, 1 of 8 in the run\)", text)
     assert lost, text[-5000:]
     back = re.search(r"rollout server back after [\d.]+s: vllm-server \(pid (\d+), (http://[\d.:]+), log ", text)

@@ -47,7 +47,11 @@ def _rollout(rank, world, model_dir):
         return real_generate(prompts, params, prompt_indices)
 
     engine.generate = spy
-    tr = SimpleNamespace(cfg=cfg, engine_spec=spec, engine=engine)  # the trainer's phase methods, as they are
+    from megatron_stare.rollout.recovery import EngineRecovery
+
+    # The trainer's phase methods, as they are; recovery is off as the trainer sets it for `vllm`.
+    tr = SimpleNamespace(cfg=cfg, engine_spec=spec, engine=engine,
+                         recovery=EngineRecovery(engine, False, None, print))
     prompts = [SimpleNamespace(token_ids=p) for p in PROMPTS]
 
     def run(ps, params):

@@ -1,8 +1,6 @@
 """The project's side of ``bench_vs_trl.py``: ``python -m megatron_stare.train`` under torchrun,
 with what the benchmark needs added (for the benchmark only):
 
-- every response is exactly ``rollout.max_new_tokens`` long: the step's sampling parameters get
-  ``ignore_eos=True`` (the config has no such field yet);
 - each step waits for the driver's ``go_<k>`` file in ``$BENCH_GATE`` and rank 0 answers with
   ``done_<k>.json`` (the step's wall time, its metrics and its sequences' lengths), so that the
   driver can interleave the steps with TRL's while this world sleeps;
@@ -15,7 +13,6 @@ benchmarks/_vs_trl_project.py --config ... a.b=c ...``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -24,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_stare import generation, train
+from megatron_stare import train
 
 GATE = Path(os.environ["BENCH_GATE"])
-_sampling_params = generation.sampling_params
 _step = train.Trainer.step
 _train = train.Trainer.train
 
@@ -35,10 +31,6 @@ _train = train.Trainer.train
 def wait_for(path: Path, poll_s: float = 0.02) -> None:
     while not path.exists():
         time.sleep(poll_s)
-
-
-def sampling_params(defaults, *, seed, stop_ids=()):
-    return dataclasses.replace(_sampling_params(defaults, seed=seed, stop_ids=stop_ids), ignore_eos=True)
 
 
 def recorded_train(self, samples, step: int):
@@ -65,7 +57,6 @@ def gated_step(self, step: int) -> dict:
     return metrics
 
 
-generation.sampling_params = sampling_params
 train.Trainer.step = gated_step
 train.Trainer.train = recorded_train
 

@@ -137,7 +137,7 @@ def project_side(args, length: int, steps: int, data: Path, model: Path, gate: P
            f"logging.dir={gate / 'logs'}", "logging.tensorboard=false", f"trainer.total_steps={steps}",
            f"trainer.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={length}",
            f"optimizer.lr={args.lr}", "rollout.temperature=1.0", "rollout.verify_sync=off",
-           "algorithm.policy_loss=vanilla", "rollout.cpu_kv_cache_gb=0.5",
+           "algorithm.policy_loss=vanilla", "rollout.cpu_kv_cache_gb=0.5", "rollout.ignore_eos=true",
            f"parallel.micro_batch_tokens={args.micro_batch_tokens}",
            *LAYOUTS[args.layout], *args.project_override]
     return Side("project", cmd, {**PROJECT_ENV, "BENCH_GATE": str(gate),
@@ -156,7 +156,8 @@ def trl_side(args, py: Path, length: int, steps: int, data: Path, model: Path, g
 
 def project_phases(m: dict) -> Dict[str, float]:
     return {"generate": m["time/generate"], "logprob": m["time/logprob"], "update": m["time/update"],
-            "sync": m["time/sync"], "train": m["time/train"]}
+            "sync": m["time/sync"], "train": m["time/train"],
+            "optimizer": m.get("time/optimizer_step", 0.0)}  # rank 0's Adam step, inside the update
 
 
 def trl_phases(p: dict) -> Dict[str, float]:
@@ -280,6 +281,8 @@ def main(argv=None) -> int:
                          "op tables in the work directory")
     ap.add_argument("--work-dir", type=Path, default=None, help="keep the runs' files (logs, profiles) here")
     ap.add_argument("--smoke", action="store_true", help="one project step at L=8, no TRL, nothing written")
+    ap.add_argument("--project-only", action="store_true",
+                    help="no TRL: the project's figures alone (to compare layouts; give --out another file)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.json")
     ap.add_argument("--append", action="store_true",
                     help="keep --out's results for the lengths not run now (a length at a time)")
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
         args.model = Path(fetch("smollm2-135m-instruct", quiet=True))
     from megatron_stare.demo.word_problems import write_split
 
-    trl_py = None if args.smoke else ensure_trl_venv(args.trl_venv)
+    trl_py = None if args.smoke or args.project_only else ensure_trl_venv(args.trl_venv)
     results = []
     kept = json.loads(args.out.read_text())["results"] if args.append and args.out.exists() else []
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:

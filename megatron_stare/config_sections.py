@@ -116,6 +116,10 @@ class RolloutConfig:
     now (as top_p)."""
     max_new_tokens: int = num(512, ge=1)
     """Longest response, in tokens, >= 1."""
+    ignore_eos: bool = False
+    """Training rollouts run to ``max_new_tokens`` whatever they sample (EOS does not end them;
+    ``stop_token_ids`` still do): fixed lengths for benchmarks (``benchmarks/bench_vs_trl.py``).
+    Rewards then score text past the model's EOS. Evaluation rollouts keep stopping at EOS."""
     tp: int = num(1, ge=1)
     """Engine tensor-parallel degree, >= 1 (may differ from the trainer's); must divide the
     attention heads, and a colocated engine's must divide the world size."""
@@ -232,6 +236,10 @@ class OptimizerConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = num(0, ge=0)
     """Linear warmup, in optimizer steps, >= 0."""
+    fused_adam: bool = True
+    """Where megatron-core falls back to torch's Adam (no transformer-engine or Apex: CPU, plain
+    GPU installs), run its fused kernel instead of the default per-tensor loop: the same update up
+    to rounding, ~20x faster on CPU (docs/performance.md). False keeps torch's default."""
 
 
 @dataclass

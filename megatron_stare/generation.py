@@ -90,7 +90,8 @@ def sampling_params(defaults: SamplingDefaults, *, seed: int, stop_ids: Sequence
     """One generate call's ``SamplingParams`` from the spec's defaults (training or eval)."""
     d = defaults
     return SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                          max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(stop_ids), seed=seed)
+                          max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(stop_ids), seed=seed,
+                          ignore_eos=d.ignore_eos)
 
 
 class GroupSelector:

@@ -214,6 +214,7 @@ class Trainer:
             self.probe_engine(step + 1)
         metrics = {**rollout.metrics(), **result.metrics, **dynamics,
                    "loss": result.loss[-1], "grad_norm": result.grad_norm[-1],
+                   "time/optimizer_step": result.optimizer_s,  # rank 0's, part of time/update
                    "stare/entropy": stats.entropy,
                    # The gate only acts in the STARE loss; other losses log it as off.
                    "stare/gate": float(state.gate_on and cfg.algorithm.policy_loss == "stare"),

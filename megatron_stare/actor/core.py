@@ -129,6 +129,7 @@ class MegatronActor:
             self.expert_load.reset()
             self.expert_load.active = True
         selected: list = []
+        optimizer_s = 0.0
         for _ in range(ppo_epochs):
             for micro_batches, plan in zip(batches, plans):
                 r = train_mini_batch(self.model, self.optimizer, self.scheduler, micro_batches, plan, ctx,
@@ -136,11 +137,13 @@ class MegatronActor:
                 result.skipped_steps += 0 if r.applied else 1
                 result.loss.append(r.loss)
                 result.grad_norm.append(r.grad_norm)
+                optimizer_s += r.optimizer_s
                 all_metrics.merge(r.metrics)
                 selected.extend(r.selected_keys)
         all_metrics.all_reduce(g.dp_cp_group, device=g.device)
         result.metrics = share_from_last_stage(all_metrics.means(), g)
         result.metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        result.optimizer_s = optimizer_s
         if self.replay is not None:  # the log-prob pass's replay metrics are logged with the update's
             result.metrics.update({**self._replay_metrics, **self.replay.take_metrics("_update")})
         if self.expert_load is not None:

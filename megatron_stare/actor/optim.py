@@ -8,6 +8,7 @@ untouched, instead of writing NaN into them.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: to
                    params_dtype=dtype, use_distributed_optimizer=layout.distributed_optimizer),
         [model],
     )
+    if o.fused_adam:
+        use_fused_adam(opt)
     steps = max(total_steps, o.warmup_steps + 1)
     sched = OptimizerParamScheduler(
         opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -42,22 +45,56 @@ def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: to
     return opt, sched
 
 
+def torch_adams(optimizer):
+    """The torch ``Adam``/``AdamW`` instances megatron-core's (chained) optimizer steps with."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam):
+            yield inner
+
+
+def use_fused_adam(optimizer) -> int:
+    """Switch megatron-core's torch-Adam fallback to torch's fused kernel; returns how many
+    optimizers were switched.
+
+    Without transformer-engine or Apex megatron-core builds ``torch.optim.AdamW`` with torch's
+    defaults, which on CPU tensors is the single-tensor Python loop (~10% of a SmolLM2 update in
+    the profile, docs/performance.md). The fused kernel computes the same update (up to float
+    rounding: it is the same formula in one pass). Optimizers over a device the kernel does not
+    support, or non-float parameters, keep their loop. The flags live in the param groups, which
+    a checkpoint load overwrites: ``models/dist_ckpt.load_optimizer`` keeps the running choice.
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported, switched = set(_get_fused_kernels_supported_devices()), 0
+    for inner in torch_adams(optimizer):
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if params and all(p.device.type in supported and p.is_floating_point() for p in params):
+            for g in inner.param_groups:
+                g["fused"], g["foreach"] = True, False
+            switched += 1
+    return switched
+
+
 @dataclass
 class StepOutcome:
     applied: bool
     """False when the step was skipped (non-finite loss or gradient norm)."""
     grad_norm: float
     """Global gradient norm before clipping."""
+    seconds: float = 0.0
+    """Wall time of the whole step (gradient preparation, norm, clip, Adam), this rank."""
 
 
 def guarded_step(optimizer, scheduler, clip_grad: float, loss_value: float) -> StepOutcome:
     """Megatron's step with a non-finite guard: skip (weights untouched) on NaN/inf."""
     from megatron.core.optimizer import clip_grads
 
+    t0 = time.perf_counter()
     optimizer.prepare_grads()
     gnorm = float(optimizer.get_grad_norm())
     if not (math.isfinite(gnorm) and math.isfinite(loss_value)):
-        return StepOutcome(applied=False, grad_norm=gnorm)
+        return StepOutcome(applied=False, grad_norm=gnorm, seconds=time.perf_counter() - t0)
     if clip_grad > 0:
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
             params = sub.get_parameters()
@@ -65,4 +102,4 @@ def guarded_step(optimizer, scheduler, clip_grad: float, loss_value: float) -> S
                 clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, gnorm)
     optimizer.step_with_ready_grads()
     scheduler.step(increment=1)
-    return StepOutcome(applied=True, grad_norm=gnorm)
+    return StepOutcome(applied=True, grad_norm=gnorm, seconds=time.perf_counter() - t0)

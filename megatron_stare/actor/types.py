@@ -64,5 +64,7 @@ class UpdateResult:
     grad_norm: List[float]
     metrics: Dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
+    optimizer_s: float = 0.0
+    """Wall time of the optimizer steps (grad norm, clip, Adam) on this rank, within the update."""
     selected_keys: Optional[List[int]] = None
     """Debug: global keys of STARE-selected tokens (sorted), when requested."""

@@ -101,6 +101,7 @@ class MiniBatchResult:
     loss: float
     """Global mini-batch loss (all DP/CP ranks), identical on every rank."""
     grad_norm: float
+    optimizer_s: float
     applied: bool
     """False when the non-finite guard skipped the optimizer step."""
     metrics: MetricSums
@@ -140,5 +141,6 @@ def train_mini_batch(model, optimizer, scheduler, micro_batches: Sequence[MicroB
     dist.all_reduce(loss_t, group=groups.dp_cp_group)
     broadcast_from_last_stage([loss_t], groups)
     outcome = guarded_step(optimizer, scheduler, clip_grad, float(loss_t))
-    return MiniBatchResult(loss=float(loss_t), grad_norm=outcome.grad_norm, applied=outcome.applied,
+    return MiniBatchResult(loss=float(loss_t), grad_norm=outcome.grad_norm, optimizer_s=outcome.seconds,
+                           applied=outcome.applied,
                            metrics=metrics, selected_keys=selected)

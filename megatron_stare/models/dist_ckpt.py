@@ -327,6 +327,20 @@ def _torch_adams(optimizer):
             yield opt, inner
 
 
+def _adam_kernels(optimizer, restore=None):
+    """Each torch Adam param group's kernel flags (``fused``, ``foreach``), or, given ``restore``
+    (an earlier result), set them back: which kernel runs is this run's choice
+    (``optimizer.fused_adam``, ``actor/optim.py``), not the checkpoint's."""
+    inners = [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+              if isinstance(getattr(sub, "optimizer", None), torch.optim.Adam)]
+    if restore is None:
+        return [[(g.get("fused"), g.get("foreach")) for g in inner.param_groups] for inner in inners]
+    for inner, flags in zip(inners, restore):
+        for g, (fused, foreach) in zip(inner.param_groups, flags):
+            g["fused"], g["foreach"] = fused, foreach
+    return restore
+
+
 def _restore_adam_steps(optimizer) -> None:
     """Give every parameter its own, loaded Adam ``step`` after a distributed-optimizer load.
 
@@ -413,6 +427,7 @@ def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     # here: it imports megatron-core, which the config checks that import this module must not).
     from megatron_stare.models import optimizer_reshard
 
+    kernels = _adam_kernels(optimizer)  # the saved param groups carry the saving run's choice
     convert = optimizer_reshard.needs_conversion(request, optimizer, ckpt_dir)
     loaded = (optimizer_reshard.load_converted(request, ckpt_dir, load_sharded) if convert
               else load_sharded(request, ckpt_dir))
@@ -421,5 +436,6 @@ def load_optimizer(optimizer, scheduler, model: torch.nn.Module, groups: Paralle
     with torch.no_grad(), _keep_adam_steps(optimizer):
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer)
+    _adam_kernels(optimizer, kernels)
     scheduler.load_state_dict(loaded["scheduler"])
     return meta

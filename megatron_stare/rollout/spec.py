@@ -156,6 +156,8 @@ class SamplingDefaults:
     top_k: int
     """0 = off (``rollout.top_k=-1``)."""
     max_new_tokens: int
+    ignore_eos: bool = False
+    """Responses run to ``max_new_tokens`` (``rollout.ignore_eos``; training rollouts only)."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,8 @@ class EngineSpec:
             devices=_devices(r.engine, r.tp, tuple(r.server_urls), world),
             server_urls=tuple(r.server_urls),
             sampling=SamplingDefaults(n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                      top_k=0 if r.top_k == -1 else r.top_k, max_new_tokens=r.max_new_tokens),
+                                      top_k=0 if r.top_k == -1 else r.top_k, max_new_tokens=r.max_new_tokens,
+                                      ignore_eos=r.ignore_eos),
             eval_sampling=SamplingDefaults(n=r.eval_n, temperature=r.eval_temperature, top_p=r.eval_top_p,
                                            top_k=0, max_new_tokens=r.max_new_tokens),
             sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync == "checksums",

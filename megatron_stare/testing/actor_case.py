@@ -71,14 +71,16 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                      lr: float = 1e-5, dtype=torch.float32, weights_seed: int = 0,
                      pack_sequences: bool = True, algorithm: Optional[dict] = None,
                      spec: GPTSpec = TINY_SPEC, moe_router_losses=(0.0, 0.0),
-                     routing_replay: str = "none", recompute: Optional[str] = None):
+                     routing_replay: str = "none", recompute: Optional[str] = None,
+                     fused_adam: bool = True):
     """(actor, algorithm config) of the tiny model at ``groups.layout``, its weights
     ``seeded_canonical(.., weights_seed)``; context and sequence parallel and the distributed
     optimizer follow the layout. ``algorithm``: further ``AlgorithmConfig`` fields (aggregation
     mode, entropy bonus, Cov configs, ...); with ``kl_loss_coef`` > 0 the actor also holds a
     reference model, weights ``seeded_canonical(.., weights_seed + 1)``. ``spec``: the model
     (``MOE_SPEC``: experts at the layout's ep/etp, router losses ``moe_router_losses``,
-    ``routing_replay`` none | r3 | r2); ``recompute``: ``parallel.recompute``."""
+    ``routing_replay`` none | r3 | r2); ``recompute``: ``parallel.recompute``; ``fused_adam``:
+    ``optimizer.fused_adam``."""
     from megatron_stare.actor import ActorSettings, MegatronActor
 
     lay = groups.layout
@@ -90,7 +92,7 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
                                                      sequence_parallel=lay.sequence_parallel,
                                                      distributed_optimizer=lay.distributed_optimizer,
                                                      ep=lay.ep, etp=lay.etp, recompute=recompute),
-                             optimizer=OptimizerConfig(lr=lr, clip_grad=1.0), algorithm=algo,
+                             optimizer=OptimizerConfig(lr=lr, clip_grad=1.0, fused_adam=fused_adam), algorithm=algo,
                              dtype=dtype, max_rows_per_micro_batch=max_rows,
                              moe_router_losses=tuple(moe_router_losses), routing_replay=routing_replay,
                              # The tests' explicit choice where transformer-engine is absent (no fallback).

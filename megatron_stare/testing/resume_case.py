@@ -12,7 +12,8 @@
 can show they catch it: ``"param_state"`` leaves the distributed optimizer's parameter state
 (Adam moments and fp32 main params) out of the load, ``"main_params"`` skips refreshing the main
 params from the loaded weights (which matters for the weights-only resume, ``load_optimizer=False``),
-``"adam_steps"`` leaves Adam's step counts as megatron-core's torch-Adam load sets them.
+``"adam_steps"`` leaves Adam's step counts as megatron-core's torch-Adam load sets them,
+``"adam_kernels"`` lets the checkpoint's param groups choose torch Adam's kernel (fused or loop).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _break(kind: Optional[str]) -> None:
         dist_ckpt.reload_main_params = lambda optimizer: None
     elif kind == "adam_steps":
         dist_ckpt._restore_adam_steps = lambda optimizer: None
+    elif kind == "adam_kernels":
+        dist_ckpt._adam_kernels = lambda optimizer, restore=None: restore or []
     elif kind is not None:
         raise ValueError(f"unknown break_load {kind!r}")
 
@@ -69,14 +72,18 @@ def _break(kind: Optional[str]) -> None:
 def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1, pp: int = 1, steps: int = 4,
                     save_at: int = 2, distributed_optimizer: bool = True, dtype=torch.float32,
                     lr: float = 1e-4, break_load: Optional[str] = None, load_optimizer: bool = True,
-                    weights_seed: int = 0, ep: int = 1, moe: bool = False):
+                    weights_seed: int = 0, ep: int = 1, moe: bool = False, fused_adam: bool = True):
     """See the module docstring. ``weights_seed`` sets the fresh actor's initial weights;
-    ``moe``: the tiny Qwen3-MoE (``MOE_SPEC``) with experts at ``ep``."""
+    ``moe``: the tiny Qwen3-MoE (``MOE_SPEC``) with experts at ``ep``; ``fused_adam``: the
+    optimizer's kernel (``optimizer.fused_adam``); ``record["adam_kernels"]``: the torch Adam
+    param groups' (fused, foreach) flags at the end."""
+    from megatron_stare.actor.optim import torch_adams
     from megatron_stare.checkpoint import latest_complete, load_checkpoint
 
     groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer, ep=ep)
     spec = MOE_SPEC if moe else TINY_SPEC
-    actor, algo = build_case_actor(groups, lr=lr, dtype=dtype, weights_seed=weights_seed, spec=spec)
+    actor, algo = build_case_actor(groups, lr=lr, dtype=dtype, weights_seed=weights_seed, spec=spec,
+                                   fused_adam=fused_adam)
     controller = StareController(algo.stare)
     record: dict = {"steps": []}
     if phase == "full":
@@ -92,4 +99,6 @@ def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1
     else:
         raise ValueError(f"unknown phase {phase!r}")
     record["weights"] = gather_full_model(actor)
+    record["adam_kernels"] = sorted({(g.get("fused"), g.get("foreach")) for inner in torch_adams(actor.optimizer)
+                                     for g in inner.param_groups}, key=repr)
     return record

@@ -53,6 +53,23 @@ def test_resume_with_distributed_optimizer_is_exact(bf16_dp2):
             assert_resumes_exactly(full, broken)
 
 
+def test_the_running_config_chooses_adams_kernel_not_the_checkpoint(bf16_dp2):
+    """The checkpoint was saved by the fused kernel (``optimizer.fused_adam``, the default); a run
+    resumed with the loop keeps the loop (the load would otherwise copy the saved groups' flags),
+    and its steps agree with the fused run's up to rounding."""
+    root, full = bf16_dp2
+    assert full["adam_kernels"] == [(True, False)]
+    loop = run_on_ranks(run_resume_case, 2, root, phase="resume", dtype=torch.bfloat16, lr=LR, fused_adam=False)[0]
+    assert loop["adam_kernels"] == [(None, None)]  # torch's default: the per-tensor loop on CPU
+    for a, b in zip(full["steps"][SAVE_AT:], loop["steps"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=1e-5)
+    for name, w in full["weights"].items():  # bf16 weights: at most a few ulps apart
+        torch.testing.assert_close(loop["weights"][name].float(), w.float(), rtol=2e-2, atol=1e-3)
+    broken = run_on_ranks(run_resume_case, 2, root, phase="resume", dtype=torch.bfloat16, lr=LR, fused_adam=False,
+                          break_load="adam_kernels")[0]
+    assert broken["adam_kernels"] == [(True, False)]
+
+
 def _main_params_follow_weights(r):
     for name, w in r["weights_at_load"].items():
         assert torch.equal(r["optimizer_state"][name]["param"], w), f"{name}: stale fp32 main param"

@@ -40,5 +40,6 @@ def test_one_project_step_reports_consistent_figures(tmp_path):
     ph = p["phases_s"]
     assert 0 < ph["generate"] + ph["logprob"] + ph["update"] + ph["sync"] <= p["step_s"]
     assert ph["logprob"] + ph["update"] <= ph["train"] * 1.01
+    assert 0 < ph["optimizer"] < ph["update"]  # the Adam step is timed inside the update
     assert p["train_gflop"] > 0 and res["matmul_peak_gflops"] > 0
     assert 0 < p["train_peak_frac"] == p["train_gflops_per_s"] / res["matmul_peak_gflops"]

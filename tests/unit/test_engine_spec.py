@@ -26,6 +26,15 @@ def test_spec_carries_the_rollout_settings():
         "/models/policy", 2, "bfloat16", 0.45, 4000, 11)
     assert (s.sampling.temperature, s.sampling.top_p, s.sampling.top_k) == (0.7, 1.0, 0)
     assert s.eval_sampling.top_p == 0.7 and s.server_urls == () and s.joins_process_group
+    assert not s.sampling.ignore_eos
+
+
+def test_ignore_eos_reaches_the_training_rollouts_sampling_params_only():
+    from megatron_stare.generation import sampling_params
+
+    s = _spec(["rollout.engine=vllm", "rollout.ignore_eos=true"])
+    train, evaluate = sampling_params(s.sampling, seed=1), sampling_params(s.eval_sampling, seed=1)
+    assert train.ignore_eos and train.max_new_tokens == 3000 and not evaluate.ignore_eos
 
 
 @pytest.mark.parametrize("engine,rank,hosts,generates,ranks,gpus,replica,leads", [

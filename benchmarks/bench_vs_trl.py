@@ -224,6 +224,7 @@ def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Pat
     rows: Dict[str, List[dict]] = {n: [] for n in sides}
     peaks: List[float] = []
     order = random.Random(length)
+    finished = False
     try:
         for k in range(steps):
             # Before the round's steps: both sides are idle then (after the last step they exit).
@@ -235,9 +236,10 @@ def run_length(args, length: int, trl_py: Optional[Path], model: Path, data: Pat
                 print(f"L={length} round {k}{' (warm-up)' if k < args.warmup else ''} {name}: step {r['step_s']:.1f} s | "
                       + " ".join(f"{p} {v:.1f}" for p, v in r["phases"].items())
                       + f" | CPU steal {r['steal']:.0%}", flush=True)
+        finished = True
     finally:
-        for s in sides.values():
-            s.close()
+        for s in sides.values():  # a side that failed leaves the other waiting on its gate: end it now
+            s.close(timeout=300 if finished else 0)
     shape = FlopShape.from_hf_config(json.loads((model / "config.json").read_text()))
     out = result(shape, {n: r[args.warmup:] for n, r in rows.items()}, peaks, args.prompts * args.n, length)
     out["settings"] = {"warmup_rounds": args.warmup, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,

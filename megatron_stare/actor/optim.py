@@ -58,8 +58,8 @@ def use_fused_adam(optimizer) -> int:
     optimizers were switched.
 
     Without transformer-engine or Apex megatron-core builds ``torch.optim.AdamW`` with torch's
-    defaults, which on CPU tensors is the single-tensor Python loop (~10% of a SmolLM2 update in
-    the profile, docs/performance.md). The fused kernel computes the same update (up to float
+    defaults, which on CPU tensors is the single-tensor Python loop (5.9x slower than fused over
+    SmolLM2's parameters alone; ~0.5 s of a ~100 s step in the run, docs/performance.md). The fused kernel computes the same update (up to float
     rounding: it is the same formula in one pass). Optimizers over a device the kernel does not
     support, or non-float parameters, keep their loop. The flags live in the param groups, which
     a checkpoint load overwrites: ``models/dist_ckpt.load_optimizer`` keeps the running choice.

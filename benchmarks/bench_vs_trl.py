@@ -176,7 +176,7 @@ def trl_side(args, py: Path, length: int, steps: int, data: Path, model: Path, g
 
 
 def project_phases(m: dict) -> Dict[str, float]:
-    return {"generate": m["time/generate"], "logprob": m["time/logprob"], "update": m["time/update"],
+    return {"generate": m["time/generate"], "logprob": m.get("time/logprob", 0.0), "update": m["time/update"],
             "sync": m["time/sync"], "train": m["time/train"],
             "optimizer": m.get("time/optimizer_step", 0.0)}  # rank 0's Adam step, inside the update
 

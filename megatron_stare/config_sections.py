@@ -314,6 +314,13 @@ class TrainerConfig:
     """Optimizer steps per training batch, >= 1 and dividing prompts_per_step (1 = on-policy)."""
     ppo_epochs: int = num(1, ge=1)
     """Passes over each training batch, >= 1."""
+    logprob_pass: Literal["auto", "always"] = "auto"
+    """The forward-only pass that computes the batch's old log-probs and entropy before the
+    update. 'auto': skipped when the batch gets one optimizer step (mini_batches_per_step and
+    ppo_epochs 1) and the loss selects nothing by them (vanilla, gspo, cispo; not stare, clip_cov,
+    kl_cov, forking_tokens, GEPO or routing replay): the update's own forward, at the same
+    weights, gives the same values (the ratio is exactly 1), saving a forward over the batch.
+    'always': run it."""
     dynamic_sampling: bool = False
     """DAPO: drop groups with zero reward variance, generate more until the batch is full."""
     max_gen_batches: int = num(10, ge=1)

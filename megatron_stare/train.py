@@ -118,6 +118,13 @@ class Trainer:
         self.offload.offload()  # before the engine starts: it sizes its memory from what is free
         self.controller = StareController(cfg.algorithm.stare)
         self.gepo = GepoShaper(cfg.algorithm.gepo) if cfg.algorithm.gepo.enable else None
+        t = cfg.trainer
+        self.logprob_pass = self.actor.logprob_pass_reason(t.logprob_pass, t.mini_batches_per_step, t.ppo_epochs,
+                                                           gepo=self.gepo is not None)
+        if self.logprob_pass is None:
+            self.console.note("old log-probs: from the update's own forward (one optimizer step per batch and "
+                              f"loss '{cfg.algorithm.policy_loss}' plans without them; "
+                              "trainer.logprob_pass=always runs the separate pass)")
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.train_set, self.eval_set, self.sampler = load_run_data(cfg.data, cfg.trainer.prompts_per_step,
                                                                     self.tokenizer)
@@ -338,6 +345,8 @@ class Trainer:
     def train(self, samples, step: int):
         """Phase 5: log-prob pass, GEPO shaping, STARE controller, update."""
         cfg = self.cfg
+        if self.logprob_pass is None:
+            return self.train_without_pass(samples, step)
         with self.timer("logprob"):
             batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
             stats = self.actor.compute_logprobs(batches)
@@ -350,11 +359,30 @@ class Trainer:
         dynamics = self.actor.entropy_diagnostics(batches, plans)
         with self.timer("update"):
             result = self.actor.update(batches, step, state, ppo_epochs=cfg.trainer.ppo_epochs, plans=plans)
+        self._note_skipped(result, step)
+        return result, stats, state, dynamics
+
+    def _note_skipped(self, result, step: int) -> None:
         self.skipped += result.skipped_steps
         if result.skipped_steps:
             self.console.note(f"step {step + 1}: {result.skipped_steps} optimizer step(s) skipped (non-finite "
                               f"loss or grad norm {result.grad_norm}); weights and optimizer untouched")
-        return result, stats, state, dynamics
+
+    def train_without_pass(self, samples, step: int):
+        """Phase 5 when the update's forward stands in for the log-prob pass
+        (``self.logprob_pass`` None): the reference pass if any, update, then the pass's
+        statistics and the controller (whose state this loss does not read)."""
+        batches = self.actor.prepare(samples, mini_batches=1)
+        if self.actor.ref is not None:  # time/logprob is then the reference model's forward alone
+            with self.timer("logprob"):
+                self.actor.reference_logprobs(batches)
+        plans = self.actor.loss_plans(batches, step, self.controller.state)
+        with self.timer("update"):
+            result = self.actor.update(batches, step, self.controller.state, plans=plans, fill_old=True)
+        self._note_skipped(result, step)
+        stats = self.actor.step_stats(batches)
+        state = self.controller.update(stats.entropy)
+        return result, stats, state, self.actor.entropy_diagnostics(batches, plans)
 
     def sync_weights(self) -> None:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""

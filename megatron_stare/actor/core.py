@@ -9,7 +9,8 @@ import torch
 
 from megatron_stare.actor.batches import prepare_batches
 from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
-from megatron_stare.actor.logprob_pass import fill_old_logprobs
+from megatron_stare.actor.logprob_pass import (fill_old_logprobs, forward_token_stats, logprob_pass_reason,
+                                               share_update_stats, step_stats)
 from megatron_stare.actor.loss_plans import plan_step
 from megatron_stare.actor.mismatch import masked_fraction
 from megatron_stare.actor.optim import build_optimizer
@@ -85,12 +86,34 @@ class MegatronActor:
             check_sample_routes(samples, self.spec)
         return prepare_batches(samples, self.groups, self.s, mini_batches)
 
+    def logprob_pass_reason(self, mode: str, mini_batches: int, ppo_epochs: int, gepo: bool) -> Optional[str]:
+        """Why a step needs ``compute_logprobs`` before ``update``; None: ``update(fill_old=True)``
+        stands in for it (``logprob_pass.logprob_pass_reason``)."""
+        return logprob_pass_reason(mode, self.loss_fn, mini_batches=mini_batches, ppo_epochs=ppo_epochs,
+                                   gepo=gepo, routing_replay=self.s.routing_replay)
+
     def compute_logprobs(self, batches: List[List[MicroBatch]], sensitivity: bool = True) -> StepStats:
         """Forward-only pass: fills ``old_logp``, ``entropy`` (and sensitivity sums, ``ref_logp``)
         of every micro-batch on every rank; returns the global entropy and mismatch."""
         stats = fill_old_logprobs(self.model, self.ref, batches, self.kernel, self.groups, sensitivity, self.replay)
         if self.replay is not None:
             stats.replay_metrics = self._replay_metrics = self.replay.take_metrics()
+        return self._with_masked_fraction(stats, batches)
+
+    def reference_logprobs(self, batches: List[List[MicroBatch]]) -> None:
+        """Fill ``ref_logp`` of every micro-batch (a reference model held) without the policy's
+        pass (its values come from ``update(fill_old=True)``)."""
+        if self.ref is None:
+            return
+        flat = [mb for mini in batches for mb in mini]
+        for mb, s in zip(flat, forward_token_stats(self.ref, flat, self.kernel, self.groups, False)):
+            mb.ref_logp = s.logprobs
+
+    def step_stats(self, batches: List[List[MicroBatch]]) -> StepStats:
+        """``compute_logprobs``'s result, read after ``update(fill_old=True)`` filled the fields."""
+        return self._with_masked_fraction(step_stats([mb for mini in batches for mb in mini], self.groups), batches)
+
+    def _with_masked_fraction(self, stats: StepStats, batches: List[List[MicroBatch]]) -> StepStats:
         if self.off_policy.masks:
             g = self.groups
             stats.ratio_masked_frac = masked_fraction([mb for mini in batches for mb in mini], self.off_policy,
@@ -111,18 +134,23 @@ class MegatronActor:
 
     def update(self, batches: List[List[MicroBatch]], step: int, stare_state: Optional[StareState] = None,
                ppo_epochs: int = 1, collect_selection: bool = False,
-               plans: Optional[Sequence[LossPlan]] = None) -> UpdateResult:
+               plans: Optional[Sequence[LossPlan]] = None, fill_old: bool = False) -> UpdateResult:
         """One optimizer step per mini-batch (per PPO epoch) with the registered policy loss.
 
         ``plans``: the mini-batches' loss plans (``loss_plans``); computed here when None.
+        ``fill_old``: no ``compute_logprobs`` ran (``logprob_pass_reason`` is None): the forward
+        fills its fields on every rank (then ``step_stats``); one mini-batch, one epoch only.
         """
         g, lay = self.groups, self.groups.layout
+        if fill_old and (ppo_epochs != 1 or len(batches) != 1):
+            raise ValueError(f"update(fill_old=True) needs one mini-batch and one epoch, got "
+                             f"{len(batches)} x {ppo_epochs}: later steps would not be at the sampling weights")
         if plans is None:
             plans = self.loss_plans(batches, step, stare_state)
         ctx = LossContext(loss_fn=self.loss_fn, kernel=self.kernel,
                           entropy_grad=self.s.algorithm.entropy_coeff > 0, off_policy=self.off_policy,
                           cp_group=g.cp_group if lay.cp > 1 else None, stare=self.s.algorithm.stare,
-                          collect_selection=collect_selection)
+                          collect_selection=collect_selection, fill_old=fill_old)
         result = UpdateResult(loss=[], grad_norm=[])
         all_metrics = MetricSums()
         if self.expert_load is not None:
@@ -140,6 +168,8 @@ class MegatronActor:
                 optimizer_s += r.optimizer_s
                 all_metrics.merge(r.metrics)
                 selected.extend(r.selected_keys)
+        if fill_old:
+            share_update_stats([mb for mini in batches for mb in mini], g)
         all_metrics.all_reduce(g.dp_cp_group, device=g.device)
         result.metrics = share_from_last_stage(all_metrics.means(), g)
         result.metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -4,6 +4,9 @@
 Megatron's schedule and returns each micro-batch's ``TokenStats`` on every pipeline stage.
 ``fill_old_logprobs`` stores them in the micro-batches and returns the step's global
 ``StepStats`` (the controller's entropy, the token count and the engine mismatch).
+``logprob_pass_reason`` says when the pass is needed at all: with one optimizer step per batch
+and a loss that plans without them, the update's forward fills the same fields
+(``update.LossContext.fill_old``), and ``step_stats`` reads them afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedul
 from megatron_stare.actor.token_stats import TokenStats, TokenStatsKernel
 from megatron_stare.actor.types import StepStats
 from megatron_stare.algorithms.aggregation import global_token_mean
+from megatron_stare.algorithms.losses import PolicyLoss
 from megatron_stare.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, cat_padded
 
@@ -77,6 +81,12 @@ def fill_old_logprobs(model, ref_model, batches: List[List[MicroBatch]], kernel:
         for mb, s in zip(flat, forward_token_stats(ref_model, flat, kernel, groups, False)):
             mb.ref_logp = s.logprobs
     model.train()
+    return step_stats(flat, groups)
+
+
+def step_stats(flat: List[MicroBatch], groups: ParallelGroups) -> StepStats:
+    """The step's global entropy, token count and engine mismatch from the micro-batches'
+    filled ``old_logp``/``entropy``; reductions over the data x context-parallel group."""
     g = groups
     mask = cat_padded([mb.loss_mask for mb in flat], False)
     ent = global_token_mean(cat_padded([mb.entropy for mb in flat]), mask, dp_group=g.dp_cp_group)
@@ -87,3 +97,42 @@ def fill_old_logprobs(model, ref_model, batches: List[List[MicroBatch]], kernel:
     if mismatch is not None:
         stats.mismatch_mean, stats.mismatch_max = mismatch
     return stats
+
+
+def share_update_stats(flat: List[MicroBatch], groups: ParallelGroups) -> None:
+    """After an update that filled the pass's fields from its forward (``LossContext.fill_old``,
+    last pipeline stage only): the same values on every stage."""
+    if groups.layout.pp == 1:
+        return
+    if not groups.is_last_stage:
+        for mb in flat:
+            s = TokenStats.zeros(mb.loss_mask.shape, True, groups.device)
+            mb.old_logp, mb.entropy, mb.sum_p2, mb.sum_p2_logp = s.tensors()
+    broadcast_from_last_stage([t for mb in flat for t in (mb.old_logp, mb.entropy, mb.sum_p2, mb.sum_p2_logp)],
+                              groups)
+
+
+def logprob_pass_reason(mode: str, loss_fn: PolicyLoss, *, mini_batches: int, ppo_epochs: int,
+                        gepo: bool, routing_replay: str) -> Optional[str]:
+    """Why the step needs the separate forward-only pass; None when the update's forward can
+    stand in for it (``mode`` 'auto', trainer.logprob_pass).
+
+    It can when the batch gets exactly one optimizer step (one mini-batch, one epoch): the
+    update's one forward then runs at the weights the pass would run at, so its detached
+    log-probs ARE the old log-probs (ratio exactly 1, the clip inactive, as in TRL and verl with
+    one update per batch) and its entropy and sensitivity sums are the pass's. It cannot when
+    anything reads those values before the first backward: a loss whose plan selects tokens by
+    them (STARE's gate and selection, Clip-Cov, KL-Cov, forking tokens), GEPO's group shaping, or
+    MoE routing replay (the pass records the routes the update replays).
+    """
+    if mode == "always":
+        return "trainer.logprob_pass is 'always'"
+    if mini_batches != 1 or ppo_epochs != 1:
+        return f"{mini_batches} mini-batch(es) x {ppo_epochs} epoch(s): later steps are off the sampling policy"
+    if loss_fn.plan_reads_old_logprobs:
+        return f"loss '{loss_fn.cfg.policy_loss}' selects tokens by them before the update"
+    if gepo:
+        return "GEPO shapes the advantages by them before the update"
+    if routing_replay != "none":
+        return f"routing replay {routing_replay} records in that pass the routes the update replays"
+    return None

@@ -18,9 +18,12 @@ from megatron_stare.types import MicroBatch, cat_padded
 
 
 def mini_batch_input(micro_batches: Sequence[MicroBatch]) -> MiniBatchInput:
-    """This rank's whole mini-batch, rows concatenated and right-padded: ``[N, T]``."""
+    """This rank's whole mini-batch, rows concatenated and right-padded: ``[N, T]``; ``old_logp``
+    None before an update that fills it (no log-prob pass: only a loss whose plan reads no
+    old log-probs gets there)."""
     return MiniBatchInput(
-        old_logp=cat_padded([mb.old_logp for mb in micro_batches]),
+        old_logp=(cat_padded([mb.old_logp for mb in micro_batches])
+                  if all(mb.old_logp is not None for mb in micro_batches) else None),
         advantages=torch.cat([mb.advantages for mb in micro_batches]),
         mask=cat_padded([mb.loss_mask for mb in micro_batches], False),
         token_keys=cat_padded([mb.token_keys for mb in micro_batches]),

@@ -44,6 +44,9 @@ class LossContext:
     stare: StareConfig
     collect_selection: bool = False
     """Also record the STARE-selected token keys (tests, debugging)."""
+    fill_old: bool = False
+    """No log-prob pass ran (``logprob_pass.logprob_pass_reason``): the forward fills the micro-
+    batch's ``old_logp``, ``entropy`` and sensitivity sums, detached, before its loss reads them."""
 
 
 @dataclass
@@ -66,8 +69,11 @@ class MicroBatchLoss:
     def policy_loss_input(self, logits: Tensor, metrics: MetricSums) -> PolicyLossInput:
         """The loss's input; adds the off-policy correction's metrics to ``metrics``."""
         mb, ctx = self.mb, self.ctx
-        o = ctx.kernel(logits, mb, entropy_grad=ctx.entropy_grad, sensitivity=False)
+        o = ctx.kernel(logits, mb, entropy_grad=ctx.entropy_grad, sensitivity=ctx.fill_old)
         shape = mb.loss_mask.shape
+        if ctx.fill_old:  # the batch's one optimizer step: these are the pass's values, unstepped
+            mb.old_logp, mb.entropy = o.logprobs.detach().reshape(shape), o.entropy.detach().reshape(shape)
+            mb.sum_p2, mb.sum_p2_logp = o.sum_p2.reshape(shape), o.sum_p2_logp.reshape(shape)
         # Under CP a sequence's tokens are spread over the CP ranks: the per-sequence counts of
         # the seq-mean modes must be global.
         seq_tokens = sequence_token_counts(mb.loss_mask, ctx.cp_group) if ctx.cp_group is not None else None

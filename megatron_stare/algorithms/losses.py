@@ -80,7 +80,8 @@ class PolicyLossInput:
 class MiniBatchInput:
     """This rank's WHOLE optimizer mini-batch (all its micro-batches), old-log-prob pass, ``[N, T]``."""
 
-    old_logp: Tensor
+    old_logp: Optional[Tensor]
+    """None when no log-prob pass ran (only for a loss with ``plan_reads_old_logprobs`` False)."""
     advantages: Tensor
     mask: Tensor
     token_keys: Tensor
@@ -151,6 +152,12 @@ def _msum(x: Tensor, valid: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 class PolicyLoss:
     """Base class: the clipped surrogate plus the shared aggregation, entropy bonus and KL."""
+
+    plan_reads_old_logprobs: bool = False
+    """The plan selects tokens by the old-log-prob pass's values (log-probs, entropy), or the
+    loss needs the controller's state of this step's entropy: then the pass must run before any
+    backward. False: only the response mask, so the update's own forward can stand in for the
+    pass when the batch gets one optimizer step (``actor/logprob_pass.logprob_pass_reason``)."""
 
     def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
@@ -252,6 +259,8 @@ register_policy_loss("vanilla")(PolicyLoss)
 class StareLoss(PolicyLoss):
     """Dual-clip surrogate times STARE weights omega (no grad, no renormalisation)."""
 
+    plan_reads_old_logprobs = True
+
     def _plan(self, plan, mb, dp_group):
         if plan.stare_state is None:
             raise ValueError("algorithm.policy_loss 'stare' needs stare_state=StareController.state in plan()")
@@ -281,6 +290,8 @@ class StareLoss(PolicyLoss):
 class ClipCovLoss(PolicyLoss):
     """Dual-clip surrogate with the loss of the Clip-Cov-picked tokens set to zero."""
 
+    plan_reads_old_logprobs = True
+
     def _plan(self, plan, mb, dp_group):
         c = self.cfg.clip_cov
         if c.selection_scope == "global":
@@ -301,6 +312,8 @@ class ClipCovLoss(PolicyLoss):
 @register_policy_loss("kl_cov")
 class KLCovLoss(PolicyLoss):
     """``-A*rho`` (no clipping) plus ``beta*|log rho|`` on the KL-Cov-selected tokens."""
+
+    plan_reads_old_logprobs = True
 
     def _plan(self, plan, mb, dp_group):
         c = self.cfg.kl_cov
@@ -381,6 +394,8 @@ class ForkingTokensLoss(PolicyLoss):
     kept count (``normalizer: selected``, a factor N/k on the kept tokens). rho = 1 gives the base
     loss bitwise.
     """
+
+    plan_reads_old_logprobs = True
 
     def _plan(self, plan, mb, dp_group):
         f = self.cfg.forking_tokens

@@ -13,6 +13,7 @@ parallel layouts with ``ep``/``etp``; ``routing_replay`` with synthetic ``engine
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Dict, List, Optional, Sequence
 
@@ -146,13 +147,16 @@ def synthetic_routes(samples: Sequence[Sample], spec: GPTSpec, covered: str = "f
 
 def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool = False,
                       engine_logp: bool = False, engine_routes: Optional[str] = None,
-                      megatron_z_loss: bool = False, **knobs) -> dict:
+                      megatron_z_loss: bool = False, on_policy: bool = False, **knobs) -> dict:
     """One log-prob pass, controller update and STARE update at ``groups`` (see the module
     docstring); ``knobs`` go to ``build_case_actor``. ``engine_logp``: give every token a
     behaviour log-prob ``old_logp - 0.8*sin(1.7*key)`` (ratios in [0.45, 2.2], a function of the
     token's key) for the off-policy corrections. ``engine_routes``: ``synthetic_routes`` coverage
     (full | response) for routing replay. ``megatron_z_loss``: megatron-core's own per-rank
-    z-loss instead of ``models.moe_router``'s (to show what that patch changes)."""
+    z-loss instead of ``models.moe_router``'s (to show what that patch changes).
+    ``on_policy``: the old log-probs stay the pass's (ratio 1; ``on_policy_case_result``)."""
+    if on_policy:
+        return on_policy_case_result(groups, engine_logp=engine_logp, **knobs)
     actor, algo = build_case_actor(groups, **knobs)
     if megatron_z_loss:
         moe_router.uninstall()
@@ -180,6 +184,37 @@ def actor_case_result(groups, *, mini_batches: int = 1, poison_advantage: bool =
             "selected": res.selected_keys, "entropy": stats.entropy, "gate_on": state.gate_on,
             "num_tokens": stats.num_tokens, "logp": logp, "token_entropy": entropy,
             "grads": gather_full_grads(actor), "weights": gather_full_model(actor)}
+
+
+def on_policy_case_result(groups, *, logprob_pass: bool = True, engine_logp: bool = False, **knobs) -> dict:
+    """One on-policy step (one mini-batch, the old log-probs the current policy's) as the trainer
+    runs it: with the separate log-prob pass, or (``logprob_pass`` False) with the update's
+    forward filling its fields (``update(fill_old=True)``, then ``step_stats``). Returns the
+    update's results, the pass's statistics (entropy, mismatch, masked fraction), the entropy
+    diagnostics and the per-token old log-probs/entropies. ``engine_logp``: behaviour
+    log-probs ``-log(V) - 0.8*sin(1.7*key)`` (near the random model's, set before either path)."""
+    actor, algo = build_case_actor(groups, **knobs)
+    batches = actor.prepare(synthetic_samples())
+    flat = [mb for mini in batches for mb in mini]
+    if engine_logp:
+        for mb in flat:
+            mb.engine_logp = (-math.log(actor.spec.vocab_size) - 0.8 * torch.sin(1.7 * mb.token_keys.double())).float()
+    controller = StareController(algo.stare)
+    if logprob_pass:
+        stats = actor.compute_logprobs(batches)
+        state = controller.update(stats.entropy)
+        plans = actor.loss_plans(batches, 0, state)
+        res = actor.update(batches, step=0, stare_state=state, plans=plans)
+    else:
+        actor.reference_logprobs(batches)
+        plans = actor.loss_plans(batches, 0, controller.state)
+        res = actor.update(batches, step=0, stare_state=controller.state, plans=plans, fill_old=True)
+        stats = actor.step_stats(batches)
+    return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics, "selected": [],
+            "num_tokens": stats.num_tokens, "entropy": stats.entropy, "mismatch": (stats.mismatch_mean, stats.mismatch_max),
+            "masked_frac": stats.ratio_masked_frac, "dynamics": actor.entropy_diagnostics(batches, plans),
+            "logp": token_values(batches, "old_logp"), "token_entropy": token_values(batches, "entropy"),
+            "weights": gather_full_model(actor)}
 
 
 def run_actor_case(rank: int, world: int, tp: int, pp: int, *, cp: int = 1,

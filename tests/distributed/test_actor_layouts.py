@@ -62,6 +62,18 @@ PER_SEQUENCE = ("gspo", "mis_seq", "geo", "forking")
 LOSSES.update(NEW)
 
 
+#: On-policy steps, with the separate log-prob pass and with the update's forward standing in
+#: for it (``trainer.logprob_pass`` auto): the plain surrogate, a KL term on a reference model
+#: with a masking off-policy correction on behaviour log-probs, and GSPO's per-sequence ratio.
+ON_POLICY = {"vanilla": {"policy_loss": "vanilla"},
+             "kl_tis": {"policy_loss": "vanilla", "engine_logp": True,
+                        "algorithm": {"kl_loss_coef": 0.1, "off_policy_correction": "tis+band_mask",
+                                      "off_policy": OFF}},
+             "gspo": NEW["gspo"]}
+ON_POLICY_RUNS = {f"onpolicy_{name}/{mode}": dict(knobs, on_policy=True, logprob_pass=mode == "pass")
+                  for name, knobs in ON_POLICY.items() for mode in ("pass", "fused")}
+
+
 def both(name: str, **knobs) -> dict:
     """The variant ``name`` packed (the default) and ``name/padded``."""
     return {name: knobs, f"{name}/padded": dict(knobs, **PADDED)}
@@ -74,12 +86,14 @@ RUNS = {
                          "stare_gate_off": {"policy_loss": "stare", "target_entropy": 0.0},
                          "grpo": {"policy_loss": "vanilla", "target_entropy": 0.0},
                          "lr4": {"lr": 1e-4}, **LOSSES,
-                         **{f"{n}/rows{r}": dict(NEW[n], max_rows=r) for n in PER_SEQUENCE for r in (1, 2, 4)}}),
-    "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP), **NEW}),
-    "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}, **NEW}),
+                         **{f"{n}/rows{r}": dict(NEW[n], max_rows=r) for n in PER_SEQUENCE for r in (1, 2, 4)},
+                         **ON_POLICY_RUNS}),
+    "tp2": (2, 2, 1, 1, {**both("ref"), **both("sp", **SP), **both("sp_rows1", max_rows=1, **SP), **NEW,
+                         **ON_POLICY_RUNS}),
+    "pp2": (2, 1, 2, 1, {**both("ref"), "poisoned": {"poison_advantage": True}, **NEW, **ON_POLICY_RUNS}),
     "dp2": (2, 1, 1, 1, {**both("ref"), **both("two_mini", mini_batches=2, max_rows=3),
                          **both("distopt", **DISTOPT), "bf16": {"lr": 1e-4, "dtype": torch.bfloat16, **DISTOPT},
-                         **NEW}),
+                         **NEW, **ON_POLICY_RUNS}),
     "cp2": (2, 1, 1, 2, {**both("ref"), **{k: v for name, knobs in LOSSES.items() for k, v in both(name, **knobs).items()}}),
     "tp2pp2": (4, 2, 2, 1, both("ref")),
     "tp2dp2": (4, 2, 1, 1, both("sp_distopt", **SP, **DISTOPT)),
@@ -310,3 +324,40 @@ def test_bf16_distributed_optimizer_matches_fp32_within_bf16_tolerance(runs):
         u32 = torch.cat([(w - start[n]).reshape(-1) for n, w in fp32["weights"].items()])
         u16 = torch.cat([(got["weights"][n] - start[n].bfloat16().float()).reshape(-1) for n in fp32["weights"]])
         assert torch.nn.functional.cosine_similarity(u32, u16, dim=0) > 0.8
+
+
+def assert_same_pass_statistics(ref, got):
+    """The log-prob pass's results: per-token old log-probs and entropies (``got``'s tokens, a
+    data shard of ``ref``'s), the batch entropy, the engine mismatch, the masked fraction and
+    the entropy diagnostics."""
+    for name in ("logp", "token_entropy"):
+        assert got[name] and got[name].keys() <= ref[name].keys()
+        worst = max(abs(ref[name][k] - v) for k, v in got[name].items())
+        assert worst <= 1e-5, (name, worst)
+    assert rel(ref["entropy"], got["entropy"]) <= 1e-6
+    for a, b in zip(ref["mismatch"], got["mismatch"]):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-5), (ref["mismatch"], got["mismatch"])
+    assert (ref["masked_frac"] is None) == (got["masked_frac"] is None)
+    if ref["masked_frac"] is not None:
+        assert abs(ref["masked_frac"] - got["masked_frac"]) <= 1e-9
+    assert ref["dynamics"].keys() == got["dynamics"].keys() and ref["dynamics"]
+    for k, a in ref["dynamics"].items():
+        assert abs(a - got["dynamics"][k]) <= 1e-6 * max(1.0, abs(a)), (k, a, got["dynamics"][k])
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("name", list(ON_POLICY))
+def test_the_updates_forward_stands_in_for_the_logprob_pass(runs, layout, name):
+    """With one optimizer step per batch, skipping the forward-only pass changes no number:
+    the update, the pass's statistics and the diagnostics equal the two-pass step's on every
+    rank, and the single process's at every layout; the ratio is exactly 1."""
+    one = runs("one")[f"onpolicy_{name}/fused"][0]
+    for with_pass, fused in zip(runs(layout)[f"onpolicy_{name}/pass"], runs(layout)[f"onpolicy_{name}/fused"]):
+        assert fused["metrics"]["ppo_kl"] == 0.0  # logp - logp.detach(): no drift at all
+        assert fused["logp"].keys() == with_pass["logp"].keys()
+        for ref in (with_pass, one):
+            assert_same_update(ref, fused)
+            assert_same_pass_statistics(ref, fused)
+    if name == "kl_tis":
+        assert one["mismatch"][0] > 0.01 and 0.0 < one["masked_frac"] < 1.0, "the correction did nothing"
+        assert one["metrics"]["kl_loss"] > 0.0

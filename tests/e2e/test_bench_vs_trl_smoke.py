@@ -38,6 +38,7 @@ def test_one_project_step_reports_consistent_figures(tmp_path):
     assert res["length"] == 8 and p["generated_tokens"] == 32 * 8
     assert p["seq_tokens"] > 32 * 8  # prompts + responses
     ph = p["phases_s"]
+    assert ph["logprob"] == 0.0  # an on-policy vanilla step: the update's forward gives the old log-probs
     assert 0 < ph["generate"] + ph["logprob"] + ph["update"] + ph["sync"] <= p["step_s"]
     assert ph["logprob"] + ph["update"] <= ph["train"] * 1.01
     assert 0 < ph["optimizer"] < ph["update"]  # the Adam step is timed inside the update

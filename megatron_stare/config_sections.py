@@ -314,6 +314,10 @@ class TrainerConfig:
     """Optimizer steps per training batch, >= 1 and dividing prompts_per_step (1 = on-policy)."""
     ppo_epochs: int = num(1, ge=1)
     """Passes over each training batch, >= 1."""
+    keep_host_memory: bool = True
+    """CPU runs (no CUDA): glibc's malloc keeps freed large blocks for reuse instead of unmapping
+    them, so a step's big tensors (logits, their gradients) are not page-faulted in, zeroed, at
+    every micro-batch (``compat/host_memory.py``); resident memory stays near the peak."""
     logprob_pass: Literal["auto", "always"] = "auto"
     """The forward-only pass that computes the batch's old log-probs and entropy before the
     update. 'auto': skipped when the batch gets one optimizer step (mini_batches_per_step and

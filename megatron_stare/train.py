@@ -84,6 +84,10 @@ class Trainer:
         from megatron_stare.rewards import check_reward_config
 
         self.cfg = cfg
+        if cfg.trainer.keep_host_memory and not torch.cuda.is_available():
+            from megatron_stare.compat.host_memory import keep_freed_memory
+
+            keep_freed_memory()  # before the model and engine allocate
         # First (unless main() did it already): a preemption signal during the (long) set-up is
         # recorded, not fatal, and the run stops at the first step boundary.
         self.preemption = preemption if preemption is not None else Preemption.install()

@@ -1,0 +1,35 @@
+"""Keep freed host memory in the process instead of handing it back to the OS (CPU runs).
+
+glibc's malloc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
+``mmap`` and unmaps it on free. A CPU training step allocates and frees many such tensors per
+micro-batch (the ``[tokens, vocab]`` logits and their gradient are ~400 MiB at 2k tokens x 49k
+vocab), so every step the kernel maps them again and zero-fills each 4 KiB page on first touch:
+that page-fault work shows up inside the first op that writes the buffer (the GEMM producing
+the logits, the vocabulary op's backward). ``keep_freed_memory`` sets ``M_MMAP_MAX`` to 0 (large
+blocks come from the heap too) and a trim threshold of 2 GiB, so freed blocks stay mapped and
+are reused; the process's resident size then stays near its peak, which is the memory the step
+needs anyway. jemalloc or tcmalloc (``LD_PRELOAD``) do the same and more; this needs nothing
+installed. Measured in ``benchmarks/bench_vs_trl.py`` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+TRIM_THRESHOLD_BYTES = 2 ** 31 - 1  # mallopt takes an int
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc as the module docstring says; False (nothing changed) on a libc
+    without ``mallopt`` (musl, macOS) or when glibc refuses a setting."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

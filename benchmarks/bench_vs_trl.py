@@ -312,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="keep --out's results for the lengths not run now (a length at a time)")
     args = ap.parse_args(argv)
+    # A SIGTERM (kill, a job scheduler) unwinds like Ctrl-C: the `finally` of each length ends
+    # both sides' process groups, which would otherwise outlive the driver.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.lengths, args.rounds, args.warmup = [8], 1, 0
     if args.model is None:

@@ -84,7 +84,8 @@ class Trainer:
         from megatron_stare.rewards import check_reward_config
 
         self.cfg = cfg
-        if cfg.trainer.keep_host_memory and not torch.cuda.is_available():
+        self.keep_host_memory = cfg.trainer.keep_host_memory and not torch.cuda.is_available()
+        if self.keep_host_memory:
             from megatron_stare.compat.host_memory import keep_freed_memory
 
             keep_freed_memory()  # before the model and engine allocate

@@ -286,7 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="counted rounds per length")
     ap.add_argument("--warmup", type=int, default=1, help="rounds not counted (the first step warms up)")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2-vllm")
-    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024,
+                    help="the project's parallel.micro_batch_tokens (2048: ~9 GB a rank, too much beside TRL)")
     ap.add_argument("--project-override", nargs="*", default=[], help="more a.b=c overrides for the trainer")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)

@@ -211,7 +211,8 @@ def on_policy_case_result(groups, *, logprob_pass: bool = True, engine_logp: boo
         res = actor.update(batches, step=0, stare_state=controller.state, plans=plans, fill_old=True)
         stats = actor.step_stats(batches)
     return {"loss": res.loss, "grad_norm": res.grad_norm, "metrics": res.metrics, "selected": [],
-            "num_tokens": stats.num_tokens, "entropy": stats.entropy, "mismatch": (stats.mismatch_mean, stats.mismatch_max),
+            "num_tokens": stats.num_tokens, "entropy": stats.entropy,
+            "mismatch": (stats.mismatch_mean, stats.mismatch_max),
             "masked_frac": stats.ratio_masked_frac, "dynamics": actor.entropy_diagnostics(batches, plans),
             "logp": token_values(batches, "old_logp"), "token_entropy": token_values(batches, "entropy"),
             "weights": gather_full_model(actor)}

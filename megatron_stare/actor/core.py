@@ -9,7 +9,7 @@ import torch
 
 from megatron_stare.actor.batches import prepare_batches
 from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
-from megatron_stare.actor.logprob_pass import (fill_old_logprobs, forward_token_stats, logprob_pass_reason,
+from megatron_stare.actor.logprob_pass import (fill_old_logprobs, fill_reference_logprobs, logprob_pass_reason,
                                                share_update_stats, step_stats)
 from megatron_stare.actor.loss_plans import plan_step
 from megatron_stare.actor.mismatch import masked_fraction
@@ -103,11 +103,8 @@ class MegatronActor:
     def reference_logprobs(self, batches: List[List[MicroBatch]]) -> None:
         """Fill ``ref_logp`` of every micro-batch (a reference model held) without the policy's
         pass (its values come from ``update(fill_old=True)``)."""
-        if self.ref is None:
-            return
-        flat = [mb for mini in batches for mb in mini]
-        for mb, s in zip(flat, forward_token_stats(self.ref, flat, self.kernel, self.groups, False)):
-            mb.ref_logp = s.logprobs
+        if self.ref is not None:
+            fill_reference_logprobs(self.ref, [mb for mini in batches for mb in mini], self.kernel, self.groups)
 
     def step_stats(self, batches: List[List[MicroBatch]]) -> StepStats:
         """``compute_logprobs``'s result, read after ``update(fill_old=True)`` filled the fields."""

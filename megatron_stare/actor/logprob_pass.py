@@ -78,10 +78,16 @@ def fill_old_logprobs(model, ref_model, batches: List[List[MicroBatch]], kernel:
         mb.old_logp, mb.entropy = s.logprobs, s.entropy
         mb.sum_p2, mb.sum_p2_logp = s.sum_p2, s.sum_p2_logp
     if ref_model is not None:
-        for mb, s in zip(flat, forward_token_stats(ref_model, flat, kernel, groups, False)):
-            mb.ref_logp = s.logprobs
+        fill_reference_logprobs(ref_model, flat, kernel, groups)
     model.train()
     return step_stats(flat, groups)
+
+
+def fill_reference_logprobs(ref_model, flat: List[MicroBatch], kernel: TokenStatsKernel,
+                            groups: ParallelGroups) -> None:
+    """Fill ``ref_logp`` of every micro-batch with the reference model's forward-only pass."""
+    for mb, s in zip(flat, forward_token_stats(ref_model, flat, kernel, groups, False)):
+        mb.ref_logp = s.logprobs
 
 
 def step_stats(flat: List[MicroBatch], groups: ParallelGroups) -> StepStats:

@@ -29,6 +29,7 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.end_headers()
 
     def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))  # unread bytes at close() would reset
         print("ERROR EngineCore died unexpectedly (stand-in)", flush=True)
         if MODE == "500":
             self.send_response(500); self.send_header("Content-Length", str(len(BODY))); self.end_headers()

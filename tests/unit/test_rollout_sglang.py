@@ -327,15 +327,22 @@ def test_server_adapter_names_a_dead_server():
     listener = socket.create_server(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
 
-    def drop_one():  # reads the request, then dies without answering
+    def drop_one():  # reads the whole request, then dies without answering
         conn, _ = listener.accept()
-        conn.recv(65536)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:  # unread bytes at close() would send a reset, not a clean drop
+            body += conn.recv(65536)
         conn.close()
 
     t = threading.Thread(target=drop_one)
     t.start()
     eng = SGLangServerEngine(base_url=url, request_timeout_s=30)
-    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /generate \(RemoteDisconnected"):
+    with pytest.raises(EngineFailure, match=rf"^sglang-server at {url} failed during /generate \((RemoteDisconnected|ConnectionResetError)"):
         eng.generate([[3, 4]], SamplingParams(max_new_tokens=2))
     t.join()
     listener.close()

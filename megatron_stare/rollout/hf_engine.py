@@ -208,6 +208,9 @@ class HFEngine(RolloutEngine):
         if self.device.type != "cuda":
             return False
         self.model.to("cpu")
+        # The name -> tensor map shares the parameters' storage: left pointing at the GPU copies,
+        # it would keep every weight on the device (found by the GPU test's first run).
+        self._tensors = self.model.state_dict(keep_vars=False)
         torch.cuda.empty_cache()
         return True
 

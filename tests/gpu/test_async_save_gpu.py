@@ -23,11 +23,12 @@ def test_background_saves_on_gpu_complete_and_resume(tmp_path):
     build_tiny_hf_model("qwen2", tmp_path / "model", num_layers=2)
     write_jsonl(make_task("add", 16, seed=0, digits=1), tmp_path / "train.jsonl")
     run = tmp_path / "run"
-    out = _train(tmp_path, run, "trainer.total_steps=3", "checkpoint.async_save=true")
+    # keep_last=2: the background finalization also prunes the oldest.
+    out = _train(tmp_path, run, "trainer.total_steps=3", "checkpoint.async_save=true", "checkpoint.keep_last=2")
     assert out.stdout.count("saved checkpoint") == 3, out.stdout[-3000:]
-    assert [p.name for p in list_checkpoints(run / "ckpt")] == [f"step_{s:08d}" for s in (1, 2, 3)]
+    assert [p.name for p in list_checkpoints(run / "ckpt")] == [f"step_{s:08d}" for s in (2, 3)]
     assert latest_complete(run / "ckpt").name == "step_00000003"
     assert not list((run / "ckpt").rglob("*.sha256")) and not list((run / "ckpt").glob(".*partial"))
-    out = _train(tmp_path, run, "trainer.total_steps=4", "checkpoint.async_save=true")
+    out = _train(tmp_path, run, "trainer.total_steps=4", "checkpoint.async_save=true", "checkpoint.keep_last=2")
     assert "resumed from" in out.stdout and "step_00000003" in out.stdout
-    assert latest_complete(run / "ckpt").name == "step_00000004"
+    assert [p.name for p in list_checkpoints(run / "ckpt")] == [f"step_{s:08d}" for s in (3, 4)]

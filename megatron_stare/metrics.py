@@ -228,9 +228,19 @@ class MetricsLogger:
 
 
 # ------------------------------------------------------------------------------------------------
+def _held_out(rows: Sequence[dict]) -> Optional[Tuple[str, List[Tuple[int, float]]]]:
+    """``("avg@k", [(step, value)])`` of a run's held-out evaluations (the largest k), or None."""
+    ks = {int(k.rsplit("@", 1)[1]) for r in rows for k in r if k.startswith("eval/avg@")}
+    if not ks:
+        return None
+    key = f"eval/avg@{max(ks)}"
+    return key[len("eval/"):], [(r["step"], float(r[key])) for r in rows if key in r]
+
+
 def plot_runs(jsonl_paths: Mapping[str, str], out_png: str,
               target_entropy: Union[None, float, Sequence[float]] = None) -> str:
-    """Write a 2x2 PNG over steps - entropy, accuracy, mean response length, gate - one line per run.
+    """Write a 2x2 PNG over steps - entropy, accuracy, mean response length, gate - one line per run;
+    the accuracy panel also marks each run's held-out ``eval/avg@k`` where it evaluated.
 
     ``jsonl_paths``: run label -> metrics.jsonl. ``target_entropy``: a float draws the target
     as a dashed line on the entropy panel, a ``(low, high)`` pair a shaded band. A run without a
@@ -239,7 +249,7 @@ def plot_runs(jsonl_paths: Mapping[str, str], out_png: str,
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    panels: Tuple[Tuple[str, str], ...] = ((ENTROPY, "entropy H"), (ACCURACY, "accuracy"),
+    panels: Tuple[Tuple[str, str], ...] = ((ENTROPY, "entropy H"), (ACCURACY, "accuracy (rollout reward; held-out: dots)"),
                                            (RESPONSE_LENGTH, "mean response length"), (GATE, "STARE gate (1 = on)"))
     fig = Figure(figsize=(11, 7), dpi=100)
     FigureCanvasAgg(fig)
@@ -249,8 +259,13 @@ def plot_runs(jsonl_paths: Mapping[str, str], out_png: str,
         for label, rows in runs.items():
             pts = [(r["step"], float(r[key])) for r in rows if key in r]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
-                        drawstyle="steps-post" if key == GATE else "default")
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
+                                drawstyle="steps-post" if key == GATE else "default")
+                held = _held_out(rows) if key == ACCURACY else None
+                if held:
+                    name, hpts = held
+                    ax.plot([p[0] for p in hpts], [p[1] for p in hpts], "o--", color=line.get_color(),
+                            label=f"{label} held-out {name}")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

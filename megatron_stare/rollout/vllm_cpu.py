@@ -14,6 +14,15 @@ Two facts a CPU run needs before any engine starts:
   from ``rollout.cpu_kv_cache_gb``, else ``VLLM_CPU_KVCACHE_SPACE`` (GiB) when the user set it,
   else ``default_kv_cache_gb``: a share of the available memory per engine on the node, capped.
   (vLLM-CPU itself lets ``VLLM_CPU_KVCACHE_SPACE`` override ``kv_cache_memory_bytes``.)
+- **No chunked prefill.** When a batch's prompts exceed the scheduler's token budget (4096 by
+  default), vLLM prefills a prompt in chunks and discards the token sampled after a partial
+  chunk; for a seeded request it then rewinds the request's generator
+  (``gen.set_offset(gen.get_offset() - 4)`` in ``GPUModelRunner._bookkeeping_sync``,
+  ``vllm/v1/worker/gpu_model_runner.py``), which a CPU generator refuses ("CPU Generator does not
+  use offset"). Every rollout request is seeded, so an evaluation of 64 prompts x 4 samples on
+  one engine ended the run. ``SCHEDULER`` turns chunking off on CPU (as vLLM-CPU itself does for
+  MLA models, ``vllm/platforms/cpu.py``): the scheduler then admits whole prompts only, no
+  sampled token is discarded, and no generator is rewound.
 """
 
 from __future__ import annotations
@@ -35,6 +44,14 @@ DEFAULT_MEMORY_SHARE = 0.1
 DEFAULT_CAP_GB = 4.0
 #: Smallest default KV cache per engine, GiB.
 DEFAULT_FLOOR_GB = 0.25
+#: vLLM's default scheduler token budget; without chunking it must also hold the longest sequence.
+DEFAULT_BATCHED_TOKENS = 4096
+
+
+def scheduler_kwargs(context_length: int) -> dict:
+    """A CPU engine's scheduler arguments (``vllm.LLM`` / ``EngineArgs`` names): no chunked prefill,
+    and a token budget that admits the longest sequence whole (see the module's docstring)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(DEFAULT_BATCHED_TOKENS, context_length)}
 
 
 @lru_cache(maxsize=1)

@@ -69,8 +69,10 @@ def llm_kwargs(spec: EngineSpec) -> dict:
           "max_model_len": spec.context_length, "tensor_parallel_size": spec.tp,
           "gpu_memory_utilization": spec.gpu_memory_utilization, "enforce_eager": not spec.cuda,
           "enable_sleep_mode": spec.cuda, "logprobs_mode": LOGPROBS_MODE, "generation_config": "vllm"}
-    if not spec.cuda and spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
-        kw["kv_cache_memory_bytes"] = spec.cpu_kv_cache_bytes
+    if not spec.cuda:
+        kw.update(vllm_cpu.scheduler_kwargs(spec.context_length))  # seeded sampling survives big batches
+        if spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
+            kw["kv_cache_memory_bytes"] = spec.cpu_kv_cache_bytes
     if spec.joins_process_group:  # every trainer rank hosts one engine rank
         kw["distributed_executor_backend"] = "external_launcher"
         if spec.world_size > spec.tp:

@@ -82,6 +82,7 @@ from .routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_
 from .server_guard import guarded
 from .spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
 from .spec import EngineSpec
+from . import vllm_cpu
 from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
 __all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
@@ -121,6 +122,8 @@ def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) 
         argv.append("--enable-return-routed-experts")
     if not spec.cuda:
         argv.append("--enforce-eager")
+        sched = vllm_cpu.scheduler_kwargs(spec.context_length)  # seeded sampling survives big batches
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(sched["max_num_batched_tokens"])]
         if spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
             argv += ["--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
     elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep

@@ -57,12 +57,15 @@ def test_spec_translates_into_vllms_real_arguments(setup):
     assert kw == {"model": str(a), "dtype": "float32", "seed": 0, "max_model_len": 128, "tensor_parallel_size": 1,
                   "gpu_memory_utilization": 0.5, "enforce_eager": True, "enable_sleep_mode": False,
                   "logprobs_mode": "processed_logprobs", "generation_config": "vllm",
-                  "kv_cache_memory_bytes": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
+                  "kv_cache_memory_bytes": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30,
+                  "enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
     # What the live engine was built with (its own config, not our record of it).
     mc = eng.llm.llm_engine.vllm_config.model_config
     assert (mc.max_model_len, mc.logprobs_mode, str(mc.dtype), mc.generation_config) == (
         128, "processed_logprobs", "torch.float32", "vllm")
     assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
+    sc = eng.llm.llm_engine.vllm_config.scheduler_config
+    assert (sc.enable_chunked_prefill, sc.max_num_batched_tokens) == (False, 4096)
     # Inside the trainer's ranks (a process group): external_launcher, data parallel over the rest.
     world = dataclasses.replace(spec, world_size=4, tp=2, joins_process_group=True, cuda=True)
     kw = llm_kwargs(world)
@@ -92,8 +95,22 @@ def test_server_command_is_vllms_own_cli(setup):
                 ns.port) == (s.model_path, s.tp, s.dtype, 128, s.gpu_memory_utilization, 0,
                              "processed_logprobs", "vllm", eager, sleep, 8123)
         assert ns.kv_cache_memory_bytes == (None if s.cuda else s.cpu_kv_cache_bytes)
+        assert (ns.enable_chunked_prefill, ns.max_num_batched_tokens) == ((None, None) if s.cuda else (False, 4096))
         assert ns.worker_extension_cls == "megatron_stare.rollout.vllm_worker_ext.StareWorkerExtension"
     assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_seeded_sampling_of_a_batch_over_the_token_budget(setup):
+    """Prompts beyond the scheduler's 4096-token budget in one call, every request seeded (as the
+    rollout and the evaluation seed them): with chunked prefill vLLM-CPU rewound a CPU generator
+    and the run ended ("CPU Generator does not use offset"); now every sample comes back, the
+    same for the same seed."""
+    eng, *_ = setup
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(60)] for i in range(24)]  # 24 x 4 samples x 60 > 4096
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, n=4, seed=11, ignore_eos=True)
+    first, again = eng.generate(prompts, params), eng.generate(prompts, params)
+    assert len(first) == 96 and all(len(r.token_ids) == 2 for r in first)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
 
 
 def test_weight_swaps_reproduce_transformers_greedy_and_logprobs(setup):

@@ -36,7 +36,7 @@ class RealDemoSize:
     extra: Tuple[str, ...] = ()
 
 
-FULL = RealDemoSize(steps=24, n_train=512, n_test=64, tiers=(0, 1), eval_every=8)
+FULL = RealDemoSize(steps=8, n_train=512, n_test=32, tiers=(0, 1), eval_every=8)
 QUICK = RealDemoSize(steps=1, n_train=8, n_test=4, tiers=(0, 1), eval_every=1,
                      extra=("rollout.engine=hf", "trainer.prompts_per_step=2", "rollout.n=2",
                             "rollout.max_new_tokens=8", "rollout.eval_n=2", "data.max_prompt_length=96"))

@@ -165,6 +165,7 @@ def summarize(rows: Sequence[dict], target: float) -> dict:
         "steps": len(rows),
         "first_gate_step": rows[first]["step"] if first is not None else None,
         "final_entropy": statistics.fmean(ent[-tail:]),
+        "last_entropy": ent[-1],
         "mean_entropy_after_gate": statistics.fmean(after) if after else math.nan,
         "frac_in_band_after_gate": sum(lo <= h <= hi for h in after) / len(after) if after else math.nan,
         "start_accuracy": statistics.fmean(acc[:tail]),
@@ -181,11 +182,11 @@ def format_table(results: Dict[str, dict], target: float, k: Optional[int] = Non
     pass@k; None: the tiny demo's pass@1 and pass@8)."""
     held = (f"held-out avg@{k}", f"pass@{k}") if k else ("held-out pass@1", "pass@8")
     head = (f"target entropy {target:.3f} (band {BAND[0] * target:.3f}-{BAND[1] * target:.3f})\n"
-            f"{'run':<8}{'gate@':>7}{'H final':>9}{'H after gate':>14}{'in band':>9}"
+            f"{'run':<8}{'gate@':>7}{'H last':>8}{'H final':>9}{'H after gate':>14}{'in band':>9}"
             f"{'acc start':>11}{'acc final':>11}{'len start':>11}{'len final':>11}{held[0]:>17}{held[1]:>8}")
     lines = [head]
     for label, r in results.items():
-        lines.append(f"{label:<8}{str(r['first_gate_step']):>7}{r['final_entropy']:>9.3f}"
+        lines.append(f"{label:<8}{str(r['first_gate_step']):>7}{r['last_entropy']:>8.3f}{r['final_entropy']:>9.3f}"
                      f"{r['mean_entropy_after_gate']:>14.3f}{r['frac_in_band_after_gate']:>9.2f}"
                      f"{r['start_accuracy']:>11.2f}{r['final_accuracy']:>11.2f}{r['start_length']:>11.1f}"
                      f"{r['final_length']:>11.1f}{r['final_pass@1']:>17.2f}{r['final_pass@8']:>8.2f}")

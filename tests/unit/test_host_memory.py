@@ -1,6 +1,9 @@
-"""``compat/host_memory.keep_freed_memory``: a freed large tensor's pages stay mapped, so the
-next tensor of that size is not page-faulted in again. Counted in minor page faults (the
-kernel's count, not a timing), each setting in its own process (mallopt is process-wide)."""
+"""``compat/host_memory.keep_freed_memory``: a freed large tensor's pages stay in the process
+(glibc neither unmaps nor trims them), so later allocations reuse mapped memory instead of
+page-faulting fresh zero-filled pages in. Measured as the process's resident pages (the
+kernel's count, not a timing) before and after the tensor is freed, each setting in its own
+process (mallopt is process-wide). Whether a later tensor lands on exactly those pages depends
+on what else the heap holds; the step-level gain is the benchmark's (docs/performance.md)."""
 
 import subprocess
 import sys
@@ -8,30 +11,30 @@ import sys
 import pytest
 
 CHILD = r"""
-import resource, sys
+import os, sys
 import torch
 if sys.argv[1] == "keep":
     from megatron_stare.compat.host_memory import keep_freed_memory
     assert keep_freed_memory()
-def faults_of_one_round():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t = torch.empty(16 * 2 ** 20)  # 64 MiB, above glibc's largest mmap threshold (32 MiB)
-    t.fill_(1.0)
-    del t
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_one_round()  # the first round maps the memory in either case
-print(min(faults_of_one_round() for _ in range(3)))
+def resident_pages():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1])
+t = torch.empty(16 * 2 ** 20)  # 64 MiB, above glibc's largest mmap threshold (32 MiB)
+t.fill_(1.0)
+held = resident_pages()
+del t
+print(held - resident_pages())
 """
 
 
-def faults(mode: str) -> int:
+def pages_given_back(mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_freed_large_tensor_is_reused_without_page_faults():
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
+def test_a_freed_large_tensor_stays_in_the_process():
     pages = 16 * 2 ** 20 * 4 // 4096
-    assert faults("default") >= pages // 2  # glibc unmapped it: every page faulted in again
-    assert faults("keep") < pages // 20
+    assert pages_given_back("default") >= pages * 9 // 10  # glibc unmapped it at once
+    assert pages_given_back("keep") < pages // 20

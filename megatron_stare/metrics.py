@@ -29,7 +29,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron_stare.config import LoggingConfig
 from megatron_stare.errors import UserError
@@ -228,12 +228,19 @@ class MetricsLogger:
 
 
 # ------------------------------------------------------------------------------------------------
-def _held_out(rows: Sequence[dict]) -> Optional[Tuple[str, List[Tuple[int, float]]]]:
-    """``("avg@k", [(step, value)])`` of a run's held-out evaluations (the largest k), or None."""
+def held_out_k(rows: Iterable[dict]) -> Optional[int]:
+    """The samples per problem of a run's held-out evaluations (its ``eval/avg@k``; the largest
+    if several), or None when the run never evaluated."""
     ks = {int(k.rsplit("@", 1)[1]) for r in rows for k in r if k.startswith("eval/avg@")}
-    if not ks:
+    return max(ks) if ks else None
+
+
+def _held_out(rows: Sequence[dict]) -> Optional[Tuple[str, List[Tuple[int, float]]]]:
+    """``("avg@k", [(step, value)])`` of a run's held-out evaluations, or None."""
+    k = held_out_k(rows)
+    if k is None:
         return None
-    key = f"eval/avg@{max(ks)}"
+    key = f"eval/avg@{k}"
     return key[len("eval/"):], [(r["step"], float(r[key])) for r in rows if key in r]
 
 

@@ -138,12 +138,11 @@ def run_rl(label: str, config: Path, overrides: Sequence[str], log_dir: Path, st
 
 
 def _last_eval(rows: Sequence[dict], kind: str) -> float:
-    """The last held-out ``eval/<kind>@k`` (avg or pass, at whatever k the run sampled), or nan."""
-    for r in reversed(rows):
-        keys = sorted((k for k in r if k.startswith(f"eval/{kind}@")), key=lambda k: int(k.rsplit("@", 1)[1]))
-        if keys:
-            return float(r[keys[-1]])
-    return math.nan
+    """The last held-out ``eval/<kind>@k`` (``avg`` or ``pass``, k the run's samples per problem), or nan."""
+    from megatron_stare.metrics import held_out_k
+
+    key = f"eval/{kind}@{held_out_k(rows)}"
+    return next((float(r[key]) for r in reversed(rows) if key in r), math.nan)
 
 
 def summarize(rows: Sequence[dict], target: float) -> dict:
@@ -247,7 +246,7 @@ def run_real(s: DemoSettings) -> dict:
 
 def finish(s: DemoSettings, start: dict, paths: Dict[str, Path], target: float, t0: float) -> dict:
     """The figure, the summary file and the side-by-side table."""
-    from megatron_stare.metrics import plot_runs, read_metrics
+    from megatron_stare.metrics import held_out_k, plot_runs, read_metrics
 
     png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
                     target_entropy=(BAND[0] * target, BAND[1] * target))
@@ -257,15 +256,10 @@ def finish(s: DemoSettings, start: dict, paths: Dict[str, Path], target: float, 
                "wall_seconds": round(time.perf_counter() - t0, 1)}
     with open(Path(s.out) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
-    k = None if s.tiny else _eval_k(rows)
+    k = None if s.tiny else held_out_k(r for rs in rows.values() for r in rs)
     print(format_table(results, target, k), flush=True)
     _log(f"figure: {png}; summary: {Path(s.out) / 'summary.json'}; {summary['wall_seconds']:.0f}s in all")
     return summary
-
-
-def _eval_k(rows: Dict[str, List[dict]]) -> Optional[int]:
-    ks = {int(k.rsplit("@", 1)[1]) for rs in rows.values() for r in rs for k in r if k.startswith("eval/avg@")}
-    return max(ks) if ks else None
 
 
 def run_demo(s: DemoSettings) -> dict:

@@ -42,6 +42,13 @@ class ScoredBatch:
     crashes: int = 0
     extras: List[Dict[str, float]] = field(default_factory=list)
 
+    def verdicts(self) -> List[float]:
+        """``[len(results)]`` 1.0 / 0.0, whether each response is correct: the reward's ``acc``
+        where its dict return gives one (verl's key for a reward that also pays for format or
+        length), else whether its raw score is > 0."""
+        extras = self.extras or [{}] * len(self.scores)
+        return [float(x["acc"] > 0) if "acc" in x else float(s > 0) for s, x in zip(self.scores, extras)]
+
 
 @dataclass
 class RolloutStats:
@@ -49,7 +56,8 @@ class RolloutStats:
 
     reward_mean: float = 0.0
     accuracy: float = 0.0
-    """Fraction of responses with reward > 0 before shaping (the verifier's verdict)."""
+    """Fraction of responses judged correct (``ScoredBatch.verdicts``: the reward's ``acc``, else
+    reward > 0 before shaping)."""
     response_len_mean: float = 0.0
     """Response lengths count model tokens only (``model_tokens``): with multi-turn, the
     observations are not a length the policy chose; DAPO overlong shaping counts the same way
@@ -101,7 +109,7 @@ class GroupSelector:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.kept: List[tuple] = []  # (prompt, [results], [shaped rewards])
-        self.raw: List[float] = []
+        self.correct: List[float] = []
         self.lengths: List[int] = []
         self.truncated = self.batches = self.timeouts = self.total_tokens = 0
         self.extra_sums: Dict[str, List[float]] = {}  # key -> [sum, count] over the responses
@@ -112,7 +120,7 @@ class GroupSelector:
         shaped = shape_overlong(torch.tensor(batch.scores, dtype=torch.float32), lens,
                                 self.cfg.rollout.max_model_tokens, self.cfg.reward).tolist()
         self.batches += 1
-        self.raw += batch.scores
+        self.correct += batch.verdicts()
         self.lengths += lens.tolist()
         self.total_tokens += sum(len(r.token_ids) for r in batch.results)
         self.truncated += sum(r.finish_reason == "length" for r in batch.results)
@@ -159,7 +167,7 @@ class GroupSelector:
                 s.advantage = float(v)
         stats = RolloutStats(
             reward_mean=float(sum(s.reward for s in samples) / max(len(samples), 1)),
-            accuracy=float(sum(x > 0 for x in self.raw) / max(len(self.raw), 1)),
+            accuracy=float(sum(self.correct) / max(len(self.correct), 1)),
             response_len_mean=float(sum(self.lengths) / max(len(self.lengths), 1)),
             response_len_max=int(max(self.lengths, default=0)),
             truncated_frac=self.truncated / max(len(self.lengths), 1), gen_batches=self.batches,
@@ -176,9 +184,10 @@ def pass_at_j(correct: torch.Tensor, j: int) -> float:
 
 
 def eval_metrics(batch: ScoredBatch) -> Dict[str, float]:
-    """avg@k (mean accuracy over k samples) and pass@k (any of k correct), k = ``batch.n``."""
+    """avg@k (mean accuracy over k samples) and pass@k (any of k correct), k = ``batch.n``;
+    correct as ``ScoredBatch.verdicts`` judges."""
     k = batch.n
-    correct = torch.tensor([s > 0 for s in batch.scores], dtype=torch.float64).view(len(batch.prompts), k)
+    correct = torch.tensor(batch.verdicts(), dtype=torch.float64).view(len(batch.prompts), k)
     # With many samples (>= 16), also pass@j for j = 2, 4, ... < k (the unbiased estimator
     # 1 - C(k-c, j) / C(k, j) per prompt): a pass@k curve. Small evals keep their two numbers.
     ladder = {f"eval/pass@{j}": pass_at_j(correct, j) for j in (2 ** i for i in range(1, 10)) if k >= 16 and j < k}

@@ -245,7 +245,8 @@ class Trainer:
             with self.timer("eval"):
                 metrics.update(self.evaluate(step))
         metrics.update(self.timer.metrics())
-        metrics["perf/tokens_per_s"] = stats.num_tokens / max(time.perf_counter() - t0, 1e-9)
+        metrics["time/step"] = time.perf_counter() - t0  # the whole step, its evaluation included
+        metrics["perf/tokens_per_s"] = stats.num_tokens / metrics["time/step"] if metrics["time/step"] > 0 else 0.0
         self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
         c, last = cfg.checkpoint, step + 1 == cfg.trainer.total_steps
         self.saves.poll()  # a background save is finalized once every rank's writer is done
@@ -456,7 +457,8 @@ class Trainer:
         prompts = list(self.eval_set)
         params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
         results = self.gather(self.generate(prompts, params), len(prompts), params.n)
-        return eval_metrics(ScoredBatch(prompts, results, self.score(prompts, results).scores, params.n))
+        shared = self.score(prompts, results)  # a dict return's "acc" is the verdict (generation.py)
+        return eval_metrics(ScoredBatch(prompts, results, shared.scores, params.n, extras=shared.extras))
 
     def preempted(self, step: int) -> bool:
         """At a step boundary (``step`` steps done), collectively: did any rank get a preemption

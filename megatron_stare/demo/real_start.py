@@ -1,7 +1,7 @@
 """Study v3's validity measurements at the start (docs/study.md, "Study v3 (real model): validity").
 
 ``python -m megatron_stare.demo.real_start MODEL DATA.parquet [--k 8] [--max-new-tokens 128]
-[--temperature 1] [--engine vllm|hf] [--limit N] [--out start.json]``
+[--temperature 1] [--engine vllm|hf] [--limit N] [--format-score F] [--out start.json] [--dump responses.jsonl]``
 
 Samples every prompt of a word-problem split ``k`` times from the pretrained chat model, as the
 rollout does (chat template, ``temperature``, no top-p / top-k, ``max_new_tokens``, stopping at
@@ -10,28 +10,36 @@ transformers' generate (``--engine hf``); then one teacher-forced transformers f
 prompts and responses gives each response token's full-vocabulary entropy and surprisal under
 softmax(logits / temperature), the trainer's ``stare/entropy``. Reported:
 
-- ``avg@k`` / ``pass@k`` (and per tier): the start's sampled accuracy (``word_problems.compute_score``);
+- ``avg@k`` / ``pass@k`` (and per tier): the start's sampled accuracy (``word_problems.compute_score``,
+  exact answers only);
+- the reward GRPO's advantages use: ``compute_score`` with ``--format-score`` (study v3: 0.3) for
+  a wrong answer stated explicitly; with a credit, the quadrants under the exact-match reward are
+  reported beside (``exact_reward``);
 - ``mixed_groups``: the fraction of prompts whose ``k`` rewards are not all equal (GRPO learns from those);
 - ``H0``: the token-mean entropy of the sampled responses;
 - the quadrant fractions of algorithms.md's entropy sensitivity over the response tokens, with
   GRPO's advantages of each prompt's ``k`` samples: ``frac_pos_high`` = A > 0 and surprisal
   above the token's entropy (the tokens STARE amplifies toward higher entropy), as a fraction of
   all response tokens and of the tokens with A != 0 (the trainer's ``dynamics/frac_pos_high``).
+
+``--dump`` writes each response's text, tier, length and count of tokens with surprisal above
+entropy; ``rescore(dump, reward)`` recomputes the quadrants for another reward from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_stare.demo.word_problems import compute_score
+from megatron_stare.demo.word_problems import compute_score, states_answer
 
 
 def grpo_advantages(rewards: List[float]) -> List[float]:
@@ -99,7 +107,8 @@ def token_stats(model, prompt: List[int], responses: List[List[int]], temperatur
 
 
 def measure(model_path: str, data_path: str, k: int = 8, max_new_tokens: int = 128, seed: int = 0,
-            limit: int = 0, temperature: float = 1.0, engine: str = "vllm") -> Dict[str, object]:
+            limit: int = 0, temperature: float = 1.0, engine: str = "vllm",
+            format_score: float = 0.0, dump: str = "") -> Dict[str, object]:
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,46 +126,89 @@ def measure(model_path: str, data_path: str, k: int = 8, max_new_tokens: int = 1
     else:
         responses = sample_hf(model, tok, prompts, k, temperature, max_new_tokens, stop_ids)
     t_sample = time.perf_counter() - t0
-    scores: List[List[float]] = []
+    texts = [[tok.decode(x, skip_special_tokens=True) for x in resp] for resp in responses]
+    golds = [row["reward_model"]["ground_truth"] for row in rows]
+    correct = [[compute_score("word_problems", t, gt) for t in ts] for ts, gt in zip(texts, golds)]
+    rewards = [[compute_score("word_problems", t, gt, format_score=format_score) for t in ts]
+               for ts, gt in zip(texts, golds)]
+    stats = [token_stats(model, prompt, resp, temperature) for prompt, resp in zip(prompts, responses)]
+    tiers = [str(row.get("extra_info", {}).get("tier")) for row in rows]
+    counts = [[(len(ent), int((surprisal > ent).sum())) for ent, surprisal in st] for st in stats]
+    lengths = [len(x) for resp in responses for x in resp]
+    n_tok = float(sum(lengths))
     by_tier: Dict[str, List[float]] = {}
-    tier_tokens: Dict[str, List[float]] = {}  # tier -> [response tokens, A>0 & s>H tokens]
-    n_tok = ent_sum = 0.0
-    quad = {"pos_high": 0.0, "pos_low": 0.0, "neg_high": 0.0, "neg_low": 0.0}
-    lengths: List[int] = []
-    for row, prompt, resp in zip(rows, prompts, responses):
-        gt = row["reward_model"]["ground_truth"]
-        r = [compute_score("word_problems", tok.decode(x, skip_special_tokens=True), gt) for x in resp]
-        scores.append(r)
-        tier = str(row.get("extra_info", {}).get("tier"))
-        by_tier.setdefault(tier, []).extend(r)
-        counts = tier_tokens.setdefault(tier, [0.0, 0.0])
-        for (ent, surprisal), x, a in zip(token_stats(model, prompt, resp, temperature), resp, grpo_advantages(r)):
-            lengths.append(len(x))
-            n_tok += len(x)
-            counts[0] += len(x)
-            ent_sum += float(ent.sum())
-            if a != 0:
-                high = surprisal > ent
-                sign = "pos" if a > 0 else "neg"
-                quad[f"{sign}_high"] += float(high.sum())
-                counts[1] += float(high.sum()) if a > 0 else 0.0
-                quad[f"{sign}_low"] += float((~high).sum())
-    nz = max(sum(quad.values()), 1.0)
-    return {
+    for tier, c in zip(tiers, correct):
+        by_tier.setdefault(tier, []).extend(c)
+    out = {
         "model": model_path, "data": data_path, "prompts": len(rows), "k": k, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "engine": engine,
-        f"avg@{k}": statistics.fmean(s for r in scores for s in r),
-        f"pass@{k}": statistics.fmean(max(r) for r in scores),
+        "temperature": temperature, "engine": engine, "format_score": format_score,
+        f"avg@{k}": statistics.fmean(s for r in correct for s in r),
+        f"pass@{k}": statistics.fmean(max(r) for r in correct),
         "by_tier": {t: statistics.fmean(v) for t, v in sorted(by_tier.items())},
-        "by_tier_tokens": {t: {"tokens": c[0], "pos_high": c[1]} for t, c in sorted(tier_tokens.items())},
-        "mixed_groups": statistics.fmean(0 < sum(r) < k for r in scores),
-        "H0": ent_sum / max(n_tok, 1.0),
+        "stated_answer_frac": statistics.fmean(states_answer(t) for ts in texts for t in ts),
+        "reward_mean": statistics.fmean(s for r in rewards for s in r),
+        "H0": sum(float(ent.sum()) for st in stats for ent, _ in st) / max(n_tok, 1.0),
         "response_len_mean": statistics.fmean(lengths),
         "truncated_frac": statistics.fmean(n >= max_new_tokens for n in lengths),
+        **quadrants(rewards, counts, tiers),
+    }
+    if dump:
+        # Per response what the quadrants need (its length and its tokens with surprisal above
+        # entropy), so another reward can be scored on the same samples without sampling again.
+        with open(dump, "w") as f:
+            for i, (ts, cs) in enumerate(zip(texts, counts)):
+                for text, (tokens, high) in zip(ts, cs):
+                    f.write(json.dumps({"prompt": i, "tier": tiers[i], "ground_truth": golds[i], "text": text,
+                                        "tokens": tokens, "high": high}) + "\n")
+    if format_score:
+        # The same samples under the exact-match reward alone, for comparison.
+        out["exact_reward"] = quadrants(correct, counts, tiers)
+    out["seconds"] = {"sample": round(t_sample, 1), "total": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def quadrants(rewards: List[List[float]], counts: List[List[Tuple[int, int]]], tiers: List[str]) -> Dict[str, object]:
+    """The entropy-sensitivity quadrants of the response tokens under GRPO's advantages of
+    ``rewards`` (per prompt, one per sample); ``counts`` holds per prompt and sample ``(response
+    tokens, tokens with surprisal > entropy)``. Returns ``frac_pos_high`` (A > 0, surprisal >
+    entropy) of all tokens, each quadrant's share of the A != 0 tokens, per-tier token counts and
+    the share of groups with mixed rewards."""
+    quad = {"pos_high": 0.0, "pos_low": 0.0, "neg_high": 0.0, "neg_low": 0.0}
+    tier_tokens: Dict[str, List[float]] = {}  # tier -> [response tokens, A>0 & s>H tokens]
+    n_tok = 0.0
+    for r, cs, tier in zip(rewards, counts, tiers):
+        per_tier = tier_tokens.setdefault(tier, [0.0, 0.0])
+        for (tokens, high), a in zip(cs, grpo_advantages(r)):
+            n_tok += tokens
+            per_tier[0] += tokens
+            if a != 0:
+                sign = "pos" if a > 0 else "neg"
+                quad[f"{sign}_high"] += high
+                quad[f"{sign}_low"] += tokens - high
+                per_tier[1] += high if a > 0 else 0.0
+    nz = max(sum(quad.values()), 1.0)
+    return {
+        "mixed_groups": statistics.fmean(len(set(r)) > 1 for r in rewards),
+        "by_tier_tokens": {t: {"tokens": c[0], "pos_high": c[1]} for t, c in sorted(tier_tokens.items())},
         "frac_pos_high_of_all_tokens": quad["pos_high"] / max(n_tok, 1.0),
         **{f"frac_{q}_of_nonzero_A": v / nz for q, v in quad.items()},
-        "seconds": {"sample": round(t_sample, 1), "total": round(time.perf_counter() - t0, 1)},
     }
+
+
+def rescore(dump: str, reward: Callable[[str, str], float]) -> Dict[str, object]:
+    """``quadrants`` of a ``--dump`` file's samples (JSON lines, gzipped when the name ends in
+    ``.gz``) under another ``reward(text, ground_truth)``: the sampling and the teacher-forced pass
+    are not repeated."""
+    groups: Dict[int, List[dict]] = {}
+    with (gzip.open(dump, "rt") if dump.endswith(".gz") else open(dump)) as f:
+        for line in f:
+            row = json.loads(line)
+            groups.setdefault(row["prompt"], []).append(row)
+    ordered = [groups[i] for i in sorted(groups)]
+    rewards = [[reward(x["text"], x["ground_truth"]) for x in g] for g in ordered]
+    out = quadrants(rewards, [[(x["tokens"], x["high"]) for x in g] for g in ordered], [g[0]["tier"] for g in ordered])
+    out["reward_mean"] = statistics.fmean(v for r in rewards for v in r)
+    return out
 
 
 def main(argv=None) -> int:
@@ -169,10 +221,15 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format-score", type=float, default=0.0,
+                    help="reward a wrong but explicitly stated answer this much (study v3: 0.1); the "
+                         "quadrants under the exact-match reward are reported beside")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dump", default="", help="write each response (text, tier, tokens, tokens with "
+                                               "surprisal > entropy) to this JSON-lines file")
     a = ap.parse_args(argv)
     res = measure(a.model, a.data, a.k, a.max_new_tokens, seed=a.seed, limit=a.limit, temperature=a.temperature,
-                  engine=a.engine)
+                  engine=a.engine, format_score=a.format_score, dump=a.dump)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -9,7 +9,8 @@ Definitions (docs/study.md):
 - **pass@1 / pass@8**: held-out prompts, 8 samples each at temperature 1 (``eval/avg@8``,
   ``eval/pass@8``), averaged over the evaluations of the last quarter of the run. Study v2 samples
   32 per prompt: pass@1 is ``eval/avg@32``, pass@8 the unbiased estimate from the 32, and
-  **pass@32** (``eval/pass@32``) is the pass@k of its goal; v1's goal uses pass@8.
+  **pass@32** (``eval/pass@32``) is the pass@k of its goal; v1's goal uses pass@8; v3 samples 4
+  (pass@1 is ``eval/avg@4``, its goal's pass@k ``eval/pass@4``).
 - **DAPO at equal generated tokens**: DAPO's numbers at the last step whose cumulative generated
   tokens (``rollout/generated_tokens``, every rollout batch it drew) do not exceed GRPO's total.
 - **theory check**: Pearson correlation between the logged predicted entropy change of step t
@@ -38,6 +39,10 @@ COLUMNS = (("final_ratio", "H final / target", "{:.2f}"), ("in_band", "in band a
            ("pass32", "pass@32", "{:.3f}"),
            ("length", "resp. len", "{:.2f}"), ("corr_step", "corr(pred, dH) step", "{:.2f}"),
            ("corr_window", f"corr {WINDOW}-step", "{:.2f}"))
+
+#: Columns a study may add (study v3): the goal's pass@k at the evaluation's own k, the gate's duty
+#: cycle (the fraction of steps it was on) and the run's wall time.
+EXTRA_COLUMNS = (("passk", "pass@k", "{:.3f}"), ("gate_duty", "gate on", "{:.2f}"), ("minutes", "run min", "{:.0f}"))
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -75,8 +80,9 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
     after = ent[first:] if first is not None else []
     lo, hi = BAND[0] * target, BAND[1] * target
     p1 = next((k for r in rows for k in r if k.startswith("eval/avg@")), PASS1)
-    evals = [(r["step"], float(r[p1]), float(r.get(PASS8, math.nan)), float(r.get(PASS32, math.nan)))
-             for r in rows if p1 in r]
+    pk = "eval/pass@" + p1.rsplit("@", 1)[1]  # pass@k at the evaluation's own k (v3: 4)
+    evals = [(r["step"], float(r[p1]), float(r.get(PASS8, math.nan)), float(r.get(PASS32, math.nan)),
+              float(r.get(pk, math.nan))) for r in rows if p1 in r]
     last_step = rows[-1]["step"] if rows else 0
     late = [e for e in evals if e[0] > 0.75 * last_step] or evals[-1:]
     out = {
@@ -93,13 +99,16 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
         "length": _mean([float(r[RESPONSE_LENGTH]) for r in rows[-tail:]]),
         "corr_step": pearson(*theory_pairs(rows, 1)),
         "corr_window": pearson(*theory_pairs(rows, WINDOW)),
+        "gate_duty": _mean([float(r.get(GATE, 0.0)) for r in rows]),
         "final_w": float(rows[-1].get("stare/w", math.nan)) if rows else math.nan,
         "final_m": float(rows[-1].get("stare/m", math.nan)) if rows else math.nan,
     }
     for q in QUADRANTS:
         out[q] = _mean([float(r.get(f"dynamics/{q}", math.nan)) for r in rows])
     out["pred_dH_mean"] = _mean([float(r.get("dynamics/pred_dH", math.nan)) for r in rows])
-    out["passk"] = out["pass8"] if math.isnan(out["pass32"]) else out["pass32"]
+    # The goal's pass@k: pass@32 (v2), else pass@8 (v1), else the evaluation's own k (v3).
+    out["passk"] = next((v for v in (out["pass32"], out["pass8"], _mean([e[4] for e in late])) if not math.isnan(v)),
+                        math.nan)
     return out
 
 
@@ -144,19 +153,21 @@ def _fmt(v: float, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
 
 
-def table_md(summaries: Mapping[int, Mapping[str, dict]], starts: Mapping[int, dict]) -> str:
-    """Markdown: one row per seed and method, then the mean +- sd over seeds per method."""
-    head = "| seed | method | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+def table_md(summaries: Mapping[int, Mapping[str, dict]], starts: Mapping[int, dict],
+             columns: Sequence[Tuple[str, str, str]] = COLUMNS) -> str:
+    """Markdown: one row per seed and method, then the mean +- sd over seeds per method;
+    ``columns``: (summary key, heading, format)."""
+    head = "| seed | method | " + " | ".join(c[1] for c in columns) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + 2)]
     for seed, per in summaries.items():
         for name, r in per.items():
             lines.append(f"| {seed} | {sm.BY_NAME[name].label} | " +
-                         " | ".join(_fmt(r[k], f) for k, _, f in COLUMNS) + " |")
+                         " | ".join(_fmt(r[k], f) for k, _, f in columns) + " |")
     if len(summaries) > 1:
         names = [m.name for m in sm.METHODS if any(m.name in per for per in summaries.values())]
         for name in names:
             cells = []
-            for k, _, f in COLUMNS:
+            for k, _, f in columns:
                 xs = [per[name][k] for per in summaries.values() if name in per and not math.isnan(per[name][k])]
                 sd = statistics.stdev(xs) if len(xs) > 1 else math.nan
                 cells.append(f"{_fmt(_mean(xs), f)} +- {_fmt(sd, f)}" if xs else "-")
@@ -226,12 +237,12 @@ def goals_values_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
 MEDIAN_COLUMNS = ("final_ratio", "in_band", "pass1", "pass8", "pass32", "length")
 
 
-def medians_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
+def medians_md(summaries: Mapping[int, Mapping[str, dict]], median_columns: Sequence[str] = MEDIAN_COLUMNS) -> str:
     """Markdown: per method, the median over seeds of each column (a run that blew up does not
     stand for its method as it does in a mean). ``in band`` is the median over the seeds where
     entropy fell below the target; how many those were is said when not all. The last column lists
     pass@k (the goal's k) seed by seed, in the order of ``summaries``."""
-    cols = [c for c in COLUMNS if c[0] in MEDIAN_COLUMNS]
+    cols = [c for c in (*COLUMNS, *EXTRA_COLUMNS) if c[0] in median_columns]
     lines = ["| method | seeds | " + " | ".join(c[1] for c in cols) + " | pass@k by seed |",
              "|" + "---|" * (len(cols) + 3)]
     for m in sm.METHODS:

@@ -15,7 +15,9 @@ chat model (SmolLM2-135M-Instruct) can partly solve, so GRPO groups have mixed r
   disjoint (the held-out split draws from another seed stream and drops any train duplicate).
 - ``compute_score(data_source, solution_str, ground_truth, extra_info)``: 1.0 when the response's
   answer (``extract_answer``: the last ``\\boxed{}``, else the last explicit "the answer is N" /
-  "Answer: N", else the last equation's result, else the last number) equals the answer, else 0.
+  "Answer: N", else the last equation's result, else the last number) equals the answer, else
+  ``format_score`` (default 0) when the response states its answer explicitly, else 0.
+  ``compute_score_format`` is the same with a format credit of 0.3 (study v3's reward).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["DEFAULT_TIERS", "STUDY_TIERS", "TIERS", "compute_score", "extract_answer", "make_rows", "write_split"]
+__all__ = ["DEFAULT_TIERS", "FORMAT_SCORE", "STUDY_TIERS", "TIERS", "compute_score", "compute_score_format",
+           "extract_answer", "make_rows", "states_answer", "write_split"]
 
 DATA_SOURCE = "word_problems"
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar")
@@ -35,7 +38,7 @@ ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "coins"
 #: tier -> number of arithmetic steps (0: a bare sum). Tiers 0 and 1 have single-digit operands.
 TIERS = {0: 0, 1: 1, 2: 1, 3: 2, 4: 3}
 DEFAULT_TIERS = (2, 3, 4)
-STUDY_TIERS = (0, 1, 2, 3)
+STUDY_TIERS = (0, 1)
 INSTRUCTION = "Solve the problem. End your answer with the final number."
 
 
@@ -158,17 +161,42 @@ def extract_answer(solution_str: str) -> Optional[float]:
     return _to_float(nums[-1]) if nums else None
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+def states_answer(solution_str: str) -> bool:
+    """Whether the response states its answer explicitly: a ``\\boxed{}`` or an answer statement
+    ("the answer is N", "Answer: N") that holds a number."""
+    return any(_NUMBER.search(span) for span in _BOXED.findall(solution_str) + _ANSWER.findall(solution_str))
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None,
+                  format_score: float = 0.0) -> float:
     """verl's reward signature: 1.0 if the response's answer (``extract_answer``: a ``\\boxed{}``
     one, else an explicit "answer is N", else the last equation's result, else the last number)
-    equals ``ground_truth``, else 0.0."""
+    equals ``ground_truth``; else ``format_score`` when the response states its answer explicitly
+    (``states_answer``, the format verl's gsm8k scorer credits with its ``format_score``); else 0.0."""
     answer = extract_answer(solution_str)
     if answer is None:
         return 0.0
     try:
-        return float(answer == float(ground_truth))
+        correct = answer == float(ground_truth)
     except ValueError:
-        return 0.0
+        correct = False
+    if correct:
+        return 1.0
+    return float(format_score) if format_score and states_answer(solution_str) else 0.0
+
+
+#: The format credit of ``compute_score_format`` (verl's gsm8k scorer takes the same ``format_score``).
+FORMAT_SCORE = 0.3
+
+
+def compute_score_format(data_source: str, solution_str: str, ground_truth: str,
+                         extra_info: Optional[dict] = None) -> Dict[str, float]:
+    """``compute_score`` with ``FORMAT_SCORE`` for a wrong answer stated explicitly: study v3's
+    reward (docs/study.md). A config names it as ``megatron_stare.demo.word_problems:compute_score_format``.
+    Returns verl's dict: ``score``, and ``acc`` (1.0 for a right answer), which the trainer's
+    accuracy and held-out avg@k / pass@k count instead of ``score > 0``."""
+    score = compute_score(data_source, solution_str, ground_truth, extra_info, format_score=FORMAT_SCORE)
+    return {"score": score, "acc": float(score == 1.0)}
 
 
 def main(argv=None) -> int:

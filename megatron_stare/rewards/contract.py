@@ -21,7 +21,10 @@ the run starts, in one ``RewardError`` line naming the config field (``reward.fn
 
 **Return.** A number, a bool (``True`` = 1.0) or a dict with a ``"score"`` key; the dict's other
 numeric (or bool) values are logged as ``reward/<key>``, their mean over the step's responses
-(non-numeric values, such as verl's ``"pred"``, are ignored). Anything else (``None``, NaN, a dict
+(non-numeric values, such as verl's ``"pred"``, are ignored). An ``"acc"`` value is also the
+verdict the step's ``reward/accuracy`` and the held-out avg@k / pass@k count (verl's validation
+does the same), for a reward that also pays for format or length; without one a response counts
+as correct when its score is > 0. Anything else (``None``, NaN, a dict
 without ``"score"``) fails the step with one line naming the response.
 
 **Routing.** ``reward.by_source: {my_math: math, my_code: 'pkg.mod:fn'}`` scores a row whose

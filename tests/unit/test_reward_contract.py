@@ -115,3 +115,28 @@ def test_extras_are_logged_as_step_means():
     m = stats.metrics()
     assert m["reward/acc"] == pytest.approx(2 / 3) and m["reward/len"] == 4.0
     assert m["reward/mean"] == 0.75  # the built-in, not the reward's own "mean"
+
+
+def test_acc_of_a_dict_return_is_the_verdict_of_accuracy_and_held_out_avg_at_k():
+    """A reward that pays 0.3 for a wrong answer in the right format (verl's ``format_score``)
+    returns ``acc``: the step's accuracy and the held-out avg@k / pass@k count ``acc``, not
+    ``score > 0``; responses without the key (or a batch without extras) fall back to score > 0."""
+    from megatron_stare.generation import eval_metrics
+
+    cfg = Config()
+    cfg.trainer.prompts_per_step, cfg.rollout.n = 2, 2
+    prompts = [Prompt("p", "1", {}, "p", [1], "t:1"), Prompt("q", "2", {}, "q", [2], "t:2")]
+    results = [GenerationResult(i // 2, i % 2, [5, 6], torch.zeros(2), "stop") for i in range(4)]
+    scores = [1.0, 0.3, 0.3, 0.0]
+    batch = ScoredBatch(prompts, results, scores, 2, extras=[{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}])
+    assert batch.verdicts() == [1.0, 0.0, 0.0, 0.0]
+    sel = GroupSelector(cfg)
+    sel.add(batch)
+    _, stats = sel.finish()
+    assert stats.accuracy == 0.25 and stats.reward_mean == pytest.approx(0.4)
+    m = eval_metrics(batch)
+    assert m["eval/avg@2"] == 0.25 and m["eval/pass@2"] == 0.5
+    # Without an "acc": score > 0, per response.
+    assert ScoredBatch(prompts, results, scores, 2).verdicts() == [1.0, 1.0, 1.0, 0.0]
+    assert ScoredBatch(prompts, results, scores, 2, extras=[{"acc": 1.0}, {}, {}, {}]).verdicts() == [1.0, 1.0, 1.0, 0.0]
+    assert eval_metrics(ScoredBatch(prompts, results, scores, 2))["eval/avg@2"] == 0.75

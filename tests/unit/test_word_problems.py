@@ -51,6 +51,29 @@ def test_compute_score_verl_signature():
     assert compute_score("word_problems", "The answer is 7.0", "7") == 1.0
 
 
+
+def test_format_score_credits_only_a_wrong_answer_stated_explicitly():
+    """verl's gsm8k habit: ``format_score`` for a wrong answer in the credited format, 1.0 for a
+    right one however stated, 0 for a wrong one not stated explicitly."""
+    from megatron_stare.demo.word_problems import FORMAT_SCORE, compute_score_format, states_answer
+
+    stated = ["The answer is 8.", "So Ava has 8 apples. Answer: 8", "\\boxed{8}", "the final answer is: 8 cookies"]
+    unstated = ["3 + 4 = 8 apples.", "I think 8.", "The answer is unclear.", "\\boxed{}", "no number here"]
+    for text in stated:
+        assert states_answer(text), text
+        assert compute_score("word_problems", text, "7", format_score=0.25) == 0.25
+        assert compute_score_format("word_problems", text, "7") == {"score": FORMAT_SCORE, "acc": 0.0}
+        assert FORMAT_SCORE == 0.3
+        assert compute_score("word_problems", text, "7") == 0.0          # off by default
+        assert compute_score("word_problems", text, "8", format_score=0.25) == 1.0
+    for text in unstated:
+        assert not states_answer(text), text
+        assert compute_score("word_problems", text, "7", format_score=0.25) == 0.0
+    # A right answer without the format still scores 1.
+    assert compute_score_format("word_problems", "3 + 4 = 7 apples.", "7") == {"score": 1.0, "acc": 1.0}
+    assert compute_score_format("word_problems", "The answer is 8.", "seven")["score"] == FORMAT_SCORE  # bad truth
+
+
 def test_tiers_and_disjoint_split():
     assert TIERS == {0: 0, 1: 1, 2: 1, 3: 2, 4: 3}
     # Tier 0: bare single-digit sums; tier 1: one-step word problems with single-digit operands.

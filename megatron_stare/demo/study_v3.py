@@ -29,9 +29,11 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -44,6 +46,7 @@ from megatron_stare.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "study_real_cpu.yaml"
 RESULTS = ROOT / "docs" / "study_v3" / "results"
+RESULTS_GPU = ROOT / "docs" / "study_v3" / "results_gpu"
 MODEL = "smollm2-135m-instruct"
 #: The start's measured entropy (docs/study_v3/validity.json, "final": 128 held-out prompts x 8
 #: samples, temperature 1, 128 tokens) and the study's ratio (that of v1, v2 and the demo).
@@ -74,27 +77,33 @@ def target() -> float:
     return TARGET_RATIO * START["H0"]
 
 
-def method_overrides(method: str, seed: int, steps: int) -> List[str]:
+#: On one CUDA GPU (``--gpu``): one rank, the ``hf`` engine (no vLLM there), the torch attention
+#: (no transformer-engine), no checkpoints (a lease is shorter than a resume is worth). The
+#: algorithm, batch, sampling and data are the CPU study's; its runs are recorded apart.
+GPU_OVERRIDES = ("rollout.engine=hf", "model.attention_backend=torch", "checkpoint.save_every=0")
+
+
+def method_overrides(method: str, seed: int, steps: int, gpu: bool = False) -> List[str]:
     """Everything that defines a (seed, method) run besides its paths."""
     tgt = target() if method.startswith("stare") else 0.0
     return [*sm.method_overrides(method, shared=SHARED), *TASK_OVERRIDES.get(method, ()), f"trainer.seed={seed}",
             f"trainer.total_steps={steps}", f"trainer.eval_every={max(steps // EVALS, 1)}",
-            f"algorithm.stare.target_entropy={tgt:.4f}"]
+            f"algorithm.stare.target_entropy={tgt:.4f}", *(GPU_OVERRIDES if gpu else ())]
 
 
-def run_key(method: str, seed: int, steps: int) -> str:
+def run_key(method: str, seed: int, steps: int, gpu: bool = False) -> str:
     config = hashlib.sha1(CONFIG.read_bytes()).hexdigest()[:12]
     return sr.result_key([config, MODEL, json.dumps(DATA, sort_keys=True), f"{START['H0']:.4f}",
-                          *method_overrides(method, seed, steps)])
+                          *method_overrides(method, seed, steps, gpu)])
 
 
-def command(out: Path, method: str, seed: int, steps: int, model: str) -> List[str]:
+def command(out: Path, method: str, seed: int, steps: int, model: str, gpu: bool = False) -> List[str]:
     rd, data = out / f"seed{seed}" / method, out / "data"
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    ckpt = [] if gpu else [f"checkpoint.dir={rd / 'ckpt'}", "checkpoint.resume=auto"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1" if gpu else "2",
             "-m", "megatron_stare.train", "--config", str(CONFIG), f"model.path={model}",
             f"data.train_path={data / 'train.parquet'}", f"data.eval_path={data / 'test.parquet'}",
-            f"logging.dir={rd}", f"checkpoint.dir={rd / 'ckpt'}", "checkpoint.resume=auto",
-            *method_overrides(method, seed, steps)]
+            f"logging.dir={rd}", *ckpt, *method_overrides(method, seed, steps, gpu)]
 
 
 def finished_rows(rd: Path, steps: int) -> Optional[List[dict]]:
@@ -106,39 +115,71 @@ def finished_rows(rd: Path, steps: int) -> Optional[List[dict]]:
     return rows if rows and rows[-1].get("step") == steps else None
 
 
-def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: Path) -> dict:
-    """Run (or resume) one (seed, method) unless it is recorded; record it when finished."""
-    key = run_key(method, seed, steps)
+def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: Path, gpu: bool = False,
+            deadline: Optional[float] = None) -> Optional[dict]:
+    """Run (or resume) one (seed, method) unless it is recorded; record it when finished. With a
+    ``deadline`` (``time.time()``), a run still going then is stopped (SIGTERM: the trainer exits
+    at the step's end) and recorded as stopped, with the steps it ran; None if it ran none."""
+    key = run_key(method, seed, steps, gpu)
     done = sr.finished(results, seed, method, key)
     if done is not None:
         log(f"seed {seed} {method}: recorded ({done['seconds'] / 60:.0f} min), not run again")
         return done
     rd = out / f"seed{seed}" / method
     t0 = time.perf_counter()
+    stopped = None
     if finished_rows(rd, steps) is None:
         log(f"seed {seed} {method}: {steps} steps in {rd}")
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        rc = subprocess.run(command(out, method, seed, steps, model), env=env).returncode
-        if rc != 0:
-            raise SystemExit(f"[study v3] seed {seed} {method}: the trainer exited {rc}; rerun to resume "
-                             f"from its last checkpoint ({rd / 'ckpt'})")
+        rd.mkdir(parents=True, exist_ok=True)
+        with open(rd / "runner.log", "a") as logf:
+            proc = subprocess.Popen(command(out, method, seed, steps, model, gpu), env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT)
+            rc = _wait(proc, deadline)
+        if rc is None:
+            stopped = "deadline"
+        elif rc != 0:
+            raise SystemExit(f"[study v3] seed {seed} {method}: the trainer exited {rc} (log: {rd / 'runner.log'}); "
+                             + ("" if gpu else f"rerun to resume from its last checkpoint ({rd / 'ckpt'})"))
     rows = finished_rows(rd, steps)
+    if rows is None and stopped:
+        path = rd / "metrics.jsonl"
+        rows = read_metrics(str(path)) if path.is_file() else []
+        if not rows:
+            log(f"seed {seed} {method}: stopped at the deadline before its first step; not recorded")
+            return None
+        stopped = f"deadline after {rows[-1]['step']} of {steps} steps"
     if rows is None:
         raise SystemExit(f"[study v3] seed {seed} {method}: the trainer ended before step {steps} ({rd})")
     seconds = sum(float(r.get("time/step", 0.0)) for r in rows) or time.perf_counter() - t0
-    sr.write_result(results, seed=seed, method=method, key=key, rows=rows, seconds=round(seconds, 1), stopped=None,
-                    target=target(), steps=steps, overrides=method_overrides(method, seed, steps))
-    log(f"seed {seed} {method}: recorded in {sr.result_path(results, seed, method)}")
+    sr.write_result(results, seed=seed, method=method, key=key, rows=rows, seconds=round(seconds, 1), stopped=stopped,
+                    target=target(), steps=steps, overrides=method_overrides(method, seed, steps, gpu))
+    log(f"seed {seed} {method}: recorded in {sr.result_path(results, seed, method)}"
+        + (f" (stopped: {stopped})" if stopped else ""))
     return sr.finished(results, seed, method, key)
 
 
-def report(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> str:
+def _wait(proc: subprocess.Popen, deadline: Optional[float]) -> Optional[int]:
+    """The exit status, or None when the deadline came first (the run is then stopped)."""
+    try:
+        return proc.wait(timeout=None if deadline is None else max(deadline - time.time(), 0.0))
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it; the trainer stops at the step's end
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
+def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: bool = False) -> str:
     """``results/report.md`` from the recorded runs (any key: a run recorded under other settings
     is listed as such and left out)."""
     found = sr.load_results(results, seeds, methods)
-    current = {k: v for k, v in found.items() if v["key"] == run_key(k[1], k[0], v["steps"])}
+    current = {k: v for k, v in found.items() if v["key"] == run_key(k[1], k[0], v["steps"], gpu)}
     stale = sorted(set(found) - set(current))
     rows = {k: v["rows"] for k, v in current.items()}
     summaries: Dict[int, Dict[str, dict]] = {}
@@ -152,7 +193,9 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> str:
             eq.append(f"| {seed} | {e['steps']} | {e['budget_tokens']:.0f} | {rep._fmt(e['final_ratio'], '{:.2f}')} | "
                       f"{e['train_acc']:.3f} | {rep._fmt(e['pass1'], '{:.3f}')} | {rep._fmt(e['passk'], '{:.3f}')} |")
     hours = sum(v["seconds"] for v in current.values()) / 3600
-    md = [f"# Study v3: recorded runs ({len(current)}, {hours:.1f} h of runs)\n",
+    where = "one H200 GPU, the hf engine" if gpu else "2 CPU cores, DP2, vLLM-CPU"
+    stopped = [f"seed {k[0]} {sm.BY_NAME[k[1]].label}: {v['stopped']}" for k, v in current.items() if v.get("stopped")]
+    md = [f"# Study v3: recorded runs ({len(current)}, {hours:.1f} h of runs; {where})\n",
           f"Start: H0 {START['H0']:.3f} ({START['source']}), target {target():.3f} ({TARGET_RATIO} x H0), "
           f"band {rep.BAND[0]}-{rep.BAND[1]} x target. Held-out: {DATA['n_test']} prompts x 4 samples "
           f"(pass@1 = avg@4, pass@k = pass@4), every {STEPS // EVALS} steps.\n",
@@ -163,6 +206,8 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> str:
         md += ["\n## DAPO at equal generated tokens (GRPO's total)\n",
                "| seed | DAPO steps | tokens | H final / target | train acc | pass@1 | pass@k |",
                "|---|---|---|---|---|---|---|", *eq]
+    if stopped:
+        md.append("\nStopped early (their numbers are those of the steps they ran): " + "; ".join(stopped))
     if stale:
         md.append("\nRecorded under other settings, left out: " + ", ".join(f"seed {s} {m}" for s, m in stale))
     text = "\n".join(md) + "\n"
@@ -179,20 +224,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", default="runs/v3")
-    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--results", default=None, help=f"default {RESULTS} ({RESULTS_GPU} with --gpu)")
+    ap.add_argument("--model", default=None, help=f"the model directory (default: the bootstrap's {MODEL})")
+    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU: GPU_OVERRIDES, one rank per run")
+    ap.add_argument("--jobs", type=int, default=1, help="runs side by side (CPU: 1, two ranks fill two cores)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="stop every run this long after the start and "
+                                                                  "record it as stopped (a GPU lease)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from the recorded runs")
     a = ap.parse_args(argv)
-    results, out = Path(a.results), Path(a.out)
+    results, out = Path(a.results or (RESULTS_GPU if a.gpu else RESULTS)), Path(a.out)
     if not a.report_only:
-        from megatron_stare.models.fetch import fetch
+        if a.model is None:
+            from megatron_stare.models.fetch import fetch
 
-        model = fetch(MODEL, quiet=True)
+            a.model = str(fetch(MODEL, quiet=True))
         if not (out / "data" / "train.parquet").is_file():
             write_split(out / "data", DATA["n_train"], DATA["n_test"], DATA["seed"], DATA["tiers"])
-        for seed in a.seeds:
-            for method in a.methods:
-                run_one(out, method, seed, a.steps, str(model), results)
-    print(report(results, a.seeds, list(METHODS)), flush=True)
+        deadline = None if a.deadline_s is None else time.time() + a.deadline_s
+        specs = [(method, seed) for seed in a.seeds for method in a.methods]
+        with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
+            for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline)
+                      for m, seed in specs]:
+                f.result()
+    print(report(results, a.seeds, list(METHODS), a.gpu), flush=True)
     return 0
 
 

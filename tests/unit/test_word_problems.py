@@ -52,23 +52,24 @@ def test_compute_score_verl_signature():
 
 
 
-def test_format_score_credits_only_a_wrong_answer_stated_explicitly():
-    """verl's gsm8k habit: ``format_score`` for a wrong answer in the credited format, 1.0 for a
-    right one however stated, 0 for a wrong one not stated explicitly."""
-    from megatron_stare.demo.word_problems import FORMAT_SCORE, compute_score_format, states_answer
+def test_format_score_credits_a_wrong_answer_only_in_the_instructions_format():
+    """verl's gsm8k habit: ``format_score`` for a wrong answer in the format the instruction asks
+    (the response ends with its number), 1.0 for a right one however written, 0 otherwise."""
+    from megatron_stare.demo.word_problems import FORMAT_SCORE, compute_score_format, ends_with_number
 
-    stated = ["The answer is 8.", "So Ava has 8 apples. Answer: 8", "\\boxed{8}", "the final answer is: 8 cookies"]
-    unstated = ["3 + 4 = 8 apples.", "I think 8.", "The answer is unclear.", "\\boxed{}", "no number here"]
-    for text in stated:
-        assert states_answer(text), text
+    formatted = ["The answer is 8.", "So 3 + 4 = 8", "\\boxed{8}", "Ava has **8**", "answer: $8$", "It is 8!"]
+    unformatted = ["8 apples.", "The answer is 8, I think", "I think 8 and then I", "no number here", "\\boxed{}",
+                   "The answer is 8. Now let us count the apples again and again and"]   # cut off mid-text
+    for text in formatted:
+        assert ends_with_number(text), text
         assert compute_score("word_problems", text, "7", format_score=0.25) == 0.25
         assert compute_score_format("word_problems", text, "7") == {"score": FORMAT_SCORE, "acc": 0.0}
-        assert FORMAT_SCORE == 0.3
         assert compute_score("word_problems", text, "7") == 0.0          # off by default
         assert compute_score("word_problems", text, "8", format_score=0.25) == 1.0
-    for text in unstated:
-        assert not states_answer(text), text
+    for text in unformatted:
+        assert not ends_with_number(text), text
         assert compute_score("word_problems", text, "7", format_score=0.25) == 0.0
+    assert FORMAT_SCORE == 0.2
     # A right answer without the format still scores 1.
     assert compute_score_format("word_problems", "3 + 4 = 7 apples.", "7") == {"score": 1.0, "acc": 1.0}
     assert compute_score_format("word_problems", "The answer is 8.", "seven")["score"] == FORMAT_SCORE  # bad truth

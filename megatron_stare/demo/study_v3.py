@@ -193,12 +193,15 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
             eq.append(f"| {seed} | {e['steps']} | {e['budget_tokens']:.0f} | {rep._fmt(e['final_ratio'], '{:.2f}')} | "
                       f"{e['train_acc']:.3f} | {rep._fmt(e['pass1'], '{:.3f}')} | {rep._fmt(e['passk'], '{:.3f}')} |")
     hours = sum(v["seconds"] for v in current.values()) / 3600
+    # The evaluations the recorded runs hold (not the default schedule: a run may set its own).
+    eval_steps = ", ".join(str(x) for x in sorted({r["step"] for rs in rows.values() for r in rs
+                                                    if any(k.startswith("eval/avg@") for k in r)}))
     where = "one H200 GPU, the hf engine" if gpu else "2 CPU cores, DP2, vLLM-CPU"
     stopped = [f"seed {k[0]} {sm.BY_NAME[k[1]].label}: {v['stopped']}" for k, v in current.items() if v.get("stopped")]
     md = [f"# Study v3: recorded runs ({len(current)}, {hours:.1f} h of runs; {where})\n",
           f"Start: H0 {START['H0']:.3f} ({START['source']}), target {target():.3f} ({TARGET_RATIO} x H0), "
           f"band {rep.BAND[0]}-{rep.BAND[1]} x target. Held-out: {DATA['n_test']} prompts x 4 samples "
-          f"(pass@1 = avg@4, pass@k = pass@4), every {STEPS // EVALS} steps.\n",
+          f"(pass@1 = avg@4, pass@k = pass@4), at steps {eval_steps or '-'}.\n",
           "## Table\n", rep.table_md(summaries, {}, COLUMNS), "\n## Goals\n", rep.goals_values_md(summaries),
           "\n## Medians over seeds\n", rep.medians_md(summaries, MEDIAN_COLUMNS),
           "\n## Dynamics diagnostics (mean over seeds)\n", rep.diagnostics_md(summaries)]

@@ -134,6 +134,7 @@ def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_ru
     text = v3.report(results, [1], list(v3.METHODS))
     assert (results / "report.md").read_text() == text
     assert "recorded runs (2, 0.2 h of runs; 2 CPU cores, DP2, vLLM-CPU)" in text
+    assert "(pass@1 = avg@4, pass@k = pass@4), at steps 10." in text   # the runs' own evaluations
     assert "Recorded under other settings, left out: seed 1 dapo" in text
     goals = text.split("## Goals")[1].split("##")[0]
     assert "GRPO's final entropy below half the target | **met** (0.30x)" in goals

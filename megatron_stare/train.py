@@ -246,7 +246,7 @@ class Trainer:
                 metrics.update(self.evaluate(step))
         metrics.update(self.timer.metrics())
         metrics["time/step"] = time.perf_counter() - t0  # the whole step, its evaluation included
-        metrics["perf/tokens_per_s"] = stats.num_tokens / metrics["time/step"] if metrics["time/step"] > 0 else 0.0
+        metrics["perf/tokens_per_s"] = stats.num_tokens / max(metrics["time/step"], 1e-9)
         self.console.step(step + 1, metrics, samples)  # metrics logged, step line, samples
         c, last = cfg.checkpoint, step + 1 == cfg.trainer.total_steps
         self.saves.poll()  # a background save is finalized once every rank's writer is done

@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 from megatron_stare.demo import study_methods as sm
 from megatron_stare.demo.study_report import WINDOW, pearson, theory_pairs
-from megatron_stare.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
+from megatron_stare.metrics import ACCURACY, ENTROPY, GATE, RESPONSE_LENGTH
 
 SMOOTH = 10
 ENTROPY_YMAX = 4.0
@@ -31,6 +31,10 @@ FIGURES: Dict[str, Tuple[str, str, bool, bool]] = {
     # Study v2 (32 samples per held-out prompt) and the quadrant fractions over training:
     "pass1_32": ("eval/avg@32", "held-out pass@1 (mean of 32 samples)", False, False),
     "pass32": ("eval/pass@32", "held-out pass@32", False, False),
+    # Study v3 (4 samples per held-out prompt) and STARE's gate (0 for the other methods):
+    "pass1_4": ("eval/avg@4", "held-out pass@1 (mean of 4 samples)", False, False),
+    "pass4": ("eval/pass@4", "held-out pass@4", False, False),
+    "gate": (GATE, "STARE's gate (share of steps on, smoothed)", True, False),
     "pos_high": ("dynamics/frac_pos_high", "share of A!=0 tokens with A>0 and surprisal > H (raises H)", True, False),
     "neg_high": ("dynamics/frac_neg_high", "share of A!=0 tokens with A<0 and surprisal > H (lowers H)", True, False),
 }
@@ -63,8 +67,15 @@ def _figure(title: str):
     return fig, ax
 
 
-def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int, float], out: Path) -> List[str]:
-    """``fig_<metric>.png`` under ``out`` for each of ``FIGURES`` and ``fig_theory.png``; returns the paths."""
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # none when no run logs the metric's inputs
+        ax.legend(fontsize=7, ncol=2)
+
+
+def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int, float], out: Path,
+               smooth: int = SMOOTH) -> List[str]:
+    """``fig_<metric>.png`` under ``out`` for each of ``FIGURES`` the runs log and ``fig_theory.png``;
+    returns the paths. Per-step curves are smoothed over ``smooth`` steps."""
     paths = []
     methods = [m for m in sm.METHODS if any(name == m.name for _, name in rows)]
     for stem, (key, title, per_step, by_target) in FIGURES.items():
@@ -82,7 +93,7 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
             steps = curves[0][0][:n]
             ys = [c[1][:n] for c in curves]
             if per_step:
-                ys = [_smooth(y, SMOOTH) for y in ys]
+                ys = [_smooth(y, smooth) for y in ys]
             mid = [statistics.median(col) for col in zip(*ys)]
             top = max(top, max(max(y) for y in ys))
             style = "-" if m.name.startswith("stare") else "--"
@@ -99,7 +110,7 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
                 ax.set_ylim(0, ENTROPY_YMAX)
                 ax.set_title(f"{title}; runs reaching {top:.0f}x cut at {ENTROPY_YMAX:.0f}x", fontsize=10)
         ax.set_xlabel("step")
-        ax.legend(fontsize=7, ncol=2)
+        _legend(ax)
         fig.tight_layout()
         path = out / f"fig_{stem}.png"
         fig.savefig(path)
@@ -128,7 +139,7 @@ def _plot_pass_at_k(rows, methods, out: Path) -> str:
                     else "--o", color=f"C{i}", ms=3, lw=2 if m.name.startswith("stare") else 1.2, label=m.label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     fig.tight_layout()
     path = out / "fig_pass_at_k.png"
     fig.savefig(path)
@@ -150,7 +161,7 @@ def _plot_by_tokens(rows, methods, out: Path) -> str:
             ax.plot(xs, _smooth([float(r[ACCURACY]) for r in rs], SMOOTH), color=f"C{i}", lw=1, alpha=0.8, label=label)
             label = None
     ax.set_xlabel("generated tokens (cumulative, every rollout batch)")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     fig.tight_layout()
     path = out / "fig_accuracy_by_tokens.png"
     fig.savefig(path)
@@ -174,7 +185,7 @@ def _plot_theory(rows, methods, out: Path) -> str:
     ax.axvline(0, color="k", lw=0.6)
     ax.set_xlabel(f"sum of logged pred_dH over {WINDOW} steps (per unit step size)")
     ax.set_ylabel("measured entropy change")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     fig.tight_layout()
     path = out / "fig_theory.png"
     fig.savefig(path)

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron_stare.demo import study_methods as sm
 from megatron_stare.demo import study_report as rep
 from megatron_stare.demo import study_results as sr
+from megatron_stare.demo.study_figures import plot_study
 from megatron_stare.demo.word_problems import STUDY_TIERS, write_split
 from megatron_stare.metrics import read_metrics
 
@@ -62,6 +63,7 @@ TASK_OVERRIDES: Dict[str, tuple] = {"dapo": ("reward.overlong_buffer_len=26",)}
 DATA = dict(n_train=512, n_test=64, seed=0, tiers=STUDY_TIERS)
 STEPS = 100
 EVALS = 5
+SMOOTH = 5  # the figures' moving average (steps): 100-step runs
 _BY_KEY = {c[0]: c for c in (*rep.COLUMNS, *rep.EXTRA_COLUMNS)}
 #: The report's table: the v1/v2 columns with v3's pass@k (k = 4), the gate's duty and wall time.
 COLUMNS = tuple(_BY_KEY[k] for k in ("final_ratio", "in_band", "gate_duty", "train_acc", "pass1", "passk", "length",
@@ -213,8 +215,12 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
         md.append("\nStopped early (their numbers are those of the steps they ran): " + "; ".join(stopped))
     if stale:
         md.append("\nRecorded under other settings, left out: " + ", ".join(f"seed {s} {m}" for s, m in stale))
-    text = "\n".join(md) + "\n"
     results.mkdir(parents=True, exist_ok=True)
+    if rows:
+        figs = plot_study(rows, {seed: target() for seed, _ in rows}, results, smooth=SMOOTH)
+        md += ["\n## Figures (median over seeds, seeds' range shaded; per-step curves smoothed over "
+               f"{SMOOTH} steps)\n", *(f"![{Path(f).stem}]({Path(f).name})" for f in figs)]
+    text = "\n".join(md) + "\n"
     tmp = results / "report.md.tmp"
     tmp.write_text(text)
     os.replace(tmp, results / "report.md")

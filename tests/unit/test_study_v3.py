@@ -142,3 +142,7 @@ def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_ru
     assert "STARE C2 0.500: met (GRPO 0.400)" in goals   # pass@4, the evaluation's own k
     summary_row = [line for line in text.splitlines() if line.startswith("| 1 | STARE C2 |")][0]
     assert not math.isnan(float(summary_row.split("|")[4]))  # in band after gate
+    # The figures of the current runs sit beside the report, which links them.
+    for stem in ("entropy", "pass1_4", "pass4", "gate", "length", "theory"):
+        assert (results / f"fig_{stem}.png").stat().st_size > 1000 and f"![fig_{stem}](fig_{stem}.png)" in text
+    assert "fig_pass1.png" not in text   # no avg@8 in v3's runs

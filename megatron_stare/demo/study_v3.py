@@ -2,7 +2,7 @@
 the word problems, through the real trainer, over seeds; resumable across sessions.
 
 ``python -m megatron_stare.demo.study_v3 [--seeds 1 2 3] [--methods grpo stare_c2 ...] [--steps 100]
-[--out runs/v3] [--report-only]``
+[--out runs/v3] [--data-seed N] [--eval-path HELD_OUT.parquet] [--report-only]``
 
 - **The start** (``START``): measured once before any method ran (``real_start``: 128 held-out
   prompts x 8 samples at temperature 1, ``docs/study_v3/validity.json``, ``final``). Every
@@ -20,7 +20,11 @@ the word problems, through the real trainer, over seeds; resumable across sessio
   interrupted run resumes from its last checkpoint. A finished run is recorded in ``RESULTS``
   (``study_results``: one JSON per (seed, method), written atomically, keyed by a hash of all that
   defines the run); a recorded run is not run again, and the report (``RESULTS/report.md``) is
-  built from the recorded files alone.
+  built from the recorded files alone. A run directory carries its key (``run_key``): one holding
+  a run of other settings is never resumed.
+- **Other problems** (``--data-seed``, ``--eval-path``: ``Data``): the study rerun on other word
+  problems or on held-out problems of one's own choosing runs, and records, under
+  ``<out>/<tag>/``, apart from the study's runs and committed results.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+import pyarrow.parquet as pq
 
 from megatron_stare.demo import study_methods as sm
 from megatron_stare.demo import study_report as rep
@@ -71,6 +78,80 @@ COLUMNS = tuple(_BY_KEY[k] for k in ("final_ratio", "in_band", "gate_duty", "tra
 MEDIAN_COLUMNS = ("final_ratio", "in_band", "pass1", "passk", "length")
 
 
+@dataclass(frozen=True)
+class Data:
+    """The problems a study runs on: ``word_problems`` drawn with ``seed`` (``DATA``'s sizes and
+    tiers), and the held-out ones from ``eval_path`` (a verl parquet of one's own choosing) when
+    given. The default (seed 0, the generated held-out split) is the study's; any other lives in
+    its own folder (``<out>/<tag>/``, results in ``<out>/<tag>/results``), so rerunning the study
+    on other problems never resumes, skips or overwrites the study's own runs."""
+
+    seed: int = DATA["seed"]
+    eval_path: Optional[str] = None
+
+    @property
+    def default(self) -> bool:
+        return self.seed == DATA["seed"] and self.eval_path is None
+
+    def key(self) -> str:
+        """What the run keys hold of the problems: ``DATA``, and the held-out rows' hash when chosen."""
+        d = dict(DATA, seed=self.seed)
+        if self.eval_path is not None:
+            d["eval_rows_sha1"] = rows_sha1(self.eval_path)
+        return json.dumps(d, sort_keys=True)
+
+    @property
+    def tag(self) -> str:
+        return "" if self.default else f"data_s{self.seed}" + (
+            f"_eval{rows_sha1(self.eval_path)[:8]}" if self.eval_path else "")
+
+    def runs(self, out: Path) -> Path:
+        """Where its run directories (``seed<k>/<method>``) go."""
+        return out if self.default else out / self.tag
+
+    def train(self, out: Path) -> Path:
+        return self.runs(out) / "data" / "train.parquet"
+
+    def test(self, out: Path) -> Path:
+        return Path(self.eval_path) if self.eval_path else self.runs(out) / "data" / "test.parquet"
+
+    def prepare(self, out: Path) -> None:
+        """Write the generated split once (its held-out half unused when ``eval_path`` is given)."""
+        if not self.train(out).is_file():
+            write_split(self.train(out).parent, DATA["n_train"], DATA["n_test"], self.seed, DATA["tiers"])
+
+
+def rows_sha1(path: str) -> str:
+    """A hash of a parquet file's rows (not of its bytes, which differ between pyarrow versions)."""
+    rows = pq.read_table(path).to_pylist()
+    return hashlib.sha1(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_eval_path(path: str) -> None:
+    """One clear error, before any run starts, for a held-out file the trainer could not use."""
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"[study v3] --eval-path {path}: no such file")
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same message
+        raise SystemExit(f"[study v3] --eval-path {path}: not a parquet file ({e})") from None
+    missing = {"prompt", "reward_model"} - set(table.column_names)
+    if missing or table.num_rows == 0:
+        raise SystemExit(f"[study v3] --eval-path {path}: a verl parquet needs rows with 'prompt' and "
+                         f"'reward_model' (the answer in reward_model.ground_truth); "
+                         + (f"missing {sorted(missing)}" if missing else "it has no rows"))
+
+
+def problems(data: Data) -> str:
+    """The report's line on the problems (the held-out file named when chosen)."""
+    if data.eval_path is None:
+        return f"word_problems seed {data.seed}, tiers {list(DATA['tiers'])}, {DATA['n_train']} train / " \
+               f"{DATA['n_test']} held-out prompts"
+    return f"word_problems seed {data.seed}, tiers {list(DATA['tiers'])}, {DATA['n_train']} train prompts; " \
+           f"held-out: {pq.read_metadata(data.eval_path).num_rows} prompts of {data.eval_path}"
+
+
 def log(msg: str) -> None:
     print(f"[study v3] {msg}", flush=True)
 
@@ -93,19 +174,39 @@ def method_overrides(method: str, seed: int, steps: int, gpu: bool = False) -> L
             f"algorithm.stare.target_entropy={tgt:.4f}", *(GPU_OVERRIDES if gpu else ())]
 
 
-def run_key(method: str, seed: int, steps: int, gpu: bool = False) -> str:
+def run_key(method: str, seed: int, steps: int, gpu: bool = False, data: Data = Data()) -> str:
     config = hashlib.sha1(CONFIG.read_bytes()).hexdigest()[:12]
-    return sr.result_key([config, MODEL, json.dumps(DATA, sort_keys=True), f"{START['H0']:.4f}",
-                          *method_overrides(method, seed, steps, gpu)])
+    return sr.result_key([config, MODEL, data.key(), f"{START['H0']:.4f}", *method_overrides(method, seed, steps, gpu)])
 
 
-def command(out: Path, method: str, seed: int, steps: int, model: str, gpu: bool = False) -> List[str]:
-    rd, data = out / f"seed{seed}" / method, out / "data"
+def run_dir(out: Path, method: str, seed: int, data: Data = Data()) -> Path:
+    return data.runs(out) / f"seed{seed}" / method
+
+
+def command(out: Path, method: str, seed: int, steps: int, model: str, gpu: bool = False,
+            data: Data = Data()) -> List[str]:
+    rd = run_dir(out, method, seed, data)
     ckpt = [] if gpu else [f"checkpoint.dir={rd / 'ckpt'}", "checkpoint.resume=auto"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1" if gpu else "2",
             "-m", "megatron_stare.train", "--config", str(CONFIG), f"model.path={model}",
-            f"data.train_path={data / 'train.parquet'}", f"data.eval_path={data / 'test.parquet'}",
+            f"data.train_path={data.train(out)}", f"data.eval_path={data.test(out)}",
             f"logging.dir={rd}", *ckpt, *method_overrides(method, seed, steps, gpu)]
+
+
+def claim_run_dir(rd: Path, key: str) -> None:
+    """Mark ``rd`` as the run of ``key`` (``rd/run_key``), or stop if it holds another run: its
+    checkpoint would be resumed under settings it was not trained with."""
+    mark = rd / "run_key"
+    if mark.is_file():
+        if mark.read_text().strip() != key:
+            raise SystemExit(f"[study v3] {rd} holds a run of other settings (key {mark.read_text().strip()}, "
+                             f"now {key}): move it away or pass another --out")
+        return
+    if (rd / "metrics.jsonl").is_file() or (rd / "ckpt").is_dir():
+        raise SystemExit(f"[study v3] {rd} holds a run with no run_key (from before the runner marked its runs): "
+                         f"move it away, or write its key ({key}) to {mark} if it is this run")
+    rd.mkdir(parents=True, exist_ok=True)
+    mark.write_text(key + "\n")
 
 
 def finished_rows(rd: Path, steps: int) -> Optional[List[dict]]:
@@ -118,16 +219,17 @@ def finished_rows(rd: Path, steps: int) -> Optional[List[dict]]:
 
 
 def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: Path, gpu: bool = False,
-            deadline: Optional[float] = None) -> Optional[dict]:
+            deadline: Optional[float] = None, data: Data = Data()) -> Optional[dict]:
     """Run (or resume) one (seed, method) unless it is recorded; record it when finished. With a
     ``deadline`` (``time.time()``), a run still going then is stopped (SIGTERM: the trainer exits
     at the step's end) and recorded as stopped, with the steps it ran; None if it ran none."""
-    key = run_key(method, seed, steps, gpu)
+    key = run_key(method, seed, steps, gpu, data)
     done = sr.finished(results, seed, method, key)
     if done is not None:
         log(f"seed {seed} {method}: recorded ({done['seconds'] / 60:.0f} min), not run again")
         return done
-    rd = out / f"seed{seed}" / method
+    rd = run_dir(out, method, seed, data)
+    claim_run_dir(rd, key)
     t0 = time.perf_counter()
     stopped = None
     if finished_rows(rd, steps) is None:
@@ -135,9 +237,8 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        rd.mkdir(parents=True, exist_ok=True)
         with open(rd / "runner.log", "a") as logf:
-            proc = subprocess.Popen(command(out, method, seed, steps, model, gpu), env=env, stdout=logf,
+            proc = subprocess.Popen(command(out, method, seed, steps, model, gpu, data), env=env, stdout=logf,
                                     stderr=subprocess.STDOUT)
             rc = _wait(proc, deadline)
         if rc is None:
@@ -177,11 +278,12 @@ def _wait(proc: subprocess.Popen, deadline: Optional[float]) -> Optional[int]:
         return None
 
 
-def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: bool = False) -> str:
+def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: bool = False,
+           data: Data = Data()) -> str:
     """``results/report.md`` from the recorded runs (any key: a run recorded under other settings
     is listed as such and left out)."""
     found = sr.load_results(results, seeds, methods)
-    current = {k: v for k, v in found.items() if v["key"] == run_key(k[1], k[0], v["steps"], gpu)}
+    current = {k: v for k, v in found.items() if v["key"] == run_key(k[1], k[0], v["steps"], gpu, data)}
     stale = sorted(set(found) - set(current))
     rows = {k: v["rows"] for k, v in current.items()}
     summaries: Dict[int, Dict[str, dict]] = {}
@@ -202,8 +304,8 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
     stopped = [f"seed {k[0]} {sm.BY_NAME[k[1]].label}: {v['stopped']}" for k, v in current.items() if v.get("stopped")]
     md = [f"# Study v3: recorded runs ({len(current)}, {hours:.1f} h of runs; {where})\n",
           f"Start: H0 {START['H0']:.3f} ({START['source']}), target {target():.3f} ({TARGET_RATIO} x H0), "
-          f"band {rep.BAND[0]}-{rep.BAND[1]} x target. Held-out: {DATA['n_test']} prompts x 4 samples "
-          f"(pass@1 = avg@4, pass@k = pass@4), at steps {eval_steps or '-'}.\n",
+          f"band {rep.BAND[0]}-{rep.BAND[1]} x target. Problems: {problems(data)}; each held-out prompt "
+          f"sampled 4 times (pass@1 = avg@4, pass@k = pass@4), at steps {eval_steps or '-'}.\n",
           "## Table\n", rep.table_md(summaries, {}, COLUMNS), "\n## Goals\n", rep.goals_values_md(summaries),
           "\n## Medians over seeds\n", rep.medians_md(summaries, MEDIAN_COLUMNS),
           "\n## Dynamics diagnostics (mean over seeds)\n", rep.diagnostics_md(summaries)]
@@ -239,23 +341,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="runs side by side (CPU: 1, two ranks fill two cores)")
     ap.add_argument("--deadline-s", type=float, default=None, help="stop every run this long after the start and "
                                                                   "record it as stopped (a GPU lease)")
+    ap.add_argument("--data-seed", type=int, default=DATA["seed"],
+                    help=f"draw other word problems (default {DATA['seed']}: the study's)")
+    ap.add_argument("--eval-path", default=None, help="held-out problems of one's own (a verl parquet; default: "
+                                                      "the generated held-out split)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from the recorded runs")
     a = ap.parse_args(argv)
-    results, out = Path(a.results or (RESULTS_GPU if a.gpu else RESULTS)), Path(a.out)
+    if a.eval_path is not None:
+        check_eval_path(a.eval_path)
+    data = Data(a.data_seed, a.eval_path)
+    out = Path(a.out)
+    # Other problems than the study's record apart, never over the study's committed results.
+    results = Path(a.results or (data.runs(out) / "results" if not data.default
+                                 else RESULTS_GPU if a.gpu else RESULTS))
     if not a.report_only:
         if a.model is None:
             from megatron_stare.models.fetch import fetch
 
             a.model = str(fetch(MODEL, quiet=True))
-        if not (out / "data" / "train.parquet").is_file():
-            write_split(out / "data", DATA["n_train"], DATA["n_test"], DATA["seed"], DATA["tiers"])
+        data.prepare(out)
         deadline = None if a.deadline_s is None else time.time() + a.deadline_s
         specs = [(method, seed) for seed in a.seeds for method in a.methods]
         with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
-            for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline)
+            for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline, data)
                       for m, seed in specs]:
                 f.result()
-    print(report(results, a.seeds, list(METHODS), a.gpu), flush=True)
+    print(report(results, a.seeds, list(METHODS), a.gpu, data), flush=True)
     return 0
 
 

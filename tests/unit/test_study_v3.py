@@ -51,6 +51,7 @@ def test_a_finished_run_directory_is_recorded_without_rerunning_and_then_skipped
     out, results = tmp_path / "out", tmp_path / "results"
     rd = out / "seed1" / "grpo"
     rd.mkdir(parents=True)
+    (rd / "run_key").write_text(v3.run_key("grpo", 1, 4))   # as the runner marked it at launch
     with open(rd / "metrics.jsonl", "w") as f:
         for r in _rows([2.0, 1.0, 0.3, 0.2], evals={4: {"eval/avg@4": 0.25, "eval/pass@4": 0.5}}):
             f.write(json.dumps(r) + "\n")
@@ -146,3 +147,88 @@ def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_ru
     for stem in ("entropy", "pass1_4", "pass4", "gate", "length", "theory"):
         assert (results / f"fig_{stem}.png").stat().st_size > 1000 and f"![fig_{stem}](fig_{stem}.png)" in text
     assert "fig_pass1.png" not in text   # no avg@8 in v3's runs
+
+
+def test_a_run_directory_of_other_settings_is_never_resumed(tmp_path, monkeypatch):
+    """A checkpoint in ``<out>/seed<k>/<method>`` trained under other settings (steps, data, target)
+    would be resumed as if it were this run: the runner stops first, naming the directory."""
+    out, results = tmp_path / "out", tmp_path / "results"
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=0))
+    FakeTrainer.launched.clear()
+    rd = v3.run_dir(out, "grpo", 1)
+    rd.mkdir(parents=True)
+    (rd / "run_key").write_text(v3.run_key("grpo", 1, 60) + "\n")
+    with pytest.raises(SystemExit, match=f"{rd} holds a run of other settings .*move it away"):
+        v3.run_one(out, "grpo", 1, 100, "/m", results)
+    (rd / "run_key").unlink()
+    (rd / "ckpt").mkdir()
+    with pytest.raises(SystemExit, match="holds a run with no run_key"):
+        v3.run_one(out, "grpo", 1, 100, "/m", results)
+    assert FakeTrainer.launched == []
+    # A fresh directory is marked with the run's key before the trainer starts.
+    with pytest.raises(SystemExit, match="ended before step 100"):
+        v3.run_one(out, "stare_c2", 1, 100, "/m", results)
+    assert (v3.run_dir(out, "stare_c2", 1) / "run_key").read_text().strip() == v3.run_key("stare_c2", 1, 100)
+
+
+def _eval_file(path, rows=3, columns=("prompt", "reward_model", "data_source")):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    full = {"prompt": [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(rows)],
+            "reward_model": [{"ground_truth": str(i + 1), "style": "rule"} for i in range(rows)],
+            "data_source": ["mine"] * rows}
+    pq.write_table(pa.table({c: full[c] for c in columns}), path)
+    return str(path)
+
+
+def test_other_problems_run_and_record_apart_from_the_study(tmp_path, monkeypatch):
+    """``--data-seed`` / ``--eval-path``: the runs, their data and their results live under
+    ``<out>/<tag>/``; the study's own run directories and committed results are never touched."""
+    out = tmp_path / "out"
+    study_results = tmp_path / "study_results"
+    monkeypatch.setattr(v3, "RESULTS", study_results)
+    mine = v3.Data(eval_path=_eval_file(tmp_path / "mine.parquet"))
+    other = v3.Data(seed=7)
+    assert v3.Data().default and not mine.default and not other.default
+    keys = {v3.run_key("grpo", 1, 100, data=d) for d in (v3.Data(), mine, other)}
+    assert len(keys) == 3
+    # The key follows the held-out rows, not the file's name or bytes.
+    same = v3.Data(eval_path=_eval_file(tmp_path / "copy.parquet"))
+    assert v3.run_key("grpo", 1, 100, data=same) == v3.run_key("grpo", 1, 100, data=mine)
+    assert v3.run_key("grpo", 1, 100, data=v3.Data(eval_path=_eval_file(tmp_path / "four.parquet", 4))) \
+        != v3.run_key("grpo", 1, 100, data=mine)
+    cmd = v3.command(out, "grpo", 1, 100, "/m", data=mine)
+    assert f"data.eval_path={mine.eval_path}" in cmd and f"logging.dir={out / mine.tag / 'seed1' / 'grpo'}" in cmd
+    assert f"data.train_path={out / mine.tag / 'data' / 'train.parquet'}" in cmd
+    assert v3.run_dir(out, "grpo", 1, other) == out / "data_s7" / "seed1" / "grpo"
+
+    FakeTrainer.launched.clear()
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=0, rows=_rows([2.0, 1.0, 0.5])))
+    v3.main(["--seeds", "1", "--methods", "grpo", "--steps", "3", "--out", str(out), "--model", "/m",
+             "--eval-path", mine.eval_path])
+    rec = json.loads(sr.result_path(out / mine.tag / "results", 1, "grpo").read_text())
+    assert rec["key"] == v3.run_key("grpo", 1, 3, data=mine) and len(rec["rows"]) == 3
+    assert not study_results.exists() and not (out / "seed1").exists()
+    assert (out / mine.tag / "data" / "train.parquet").is_file()
+    report = (out / mine.tag / "results" / "report.md").read_text()
+    assert f"held-out: 3 prompts of {mine.eval_path}" in report
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "no such file"), ("text", "not a parquet file"), ("columns", "missing \\['reward_model'\\]"),
+    ("empty", "it has no rows")])
+def test_a_held_out_file_the_trainer_cannot_use_stops_before_any_run(case, message, tmp_path, monkeypatch):
+    path = tmp_path / "held_out.parquet"
+    if case == "text":
+        path.write_text("question,answer\n1+1,2\n")
+    elif case == "columns":
+        _eval_file(path, columns=("prompt", "data_source"))
+    elif case == "empty":
+        _eval_file(path, rows=0)
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=0))
+    FakeTrainer.launched.clear()
+    with pytest.raises(SystemExit, match=f"--eval-path {path}: .*{message}"):
+        v3.main(["--seeds", "1", "--methods", "grpo", "--out", str(tmp_path / "out"), "--model", "/m",
+                 "--eval-path", str(path)])
+    assert FakeTrainer.launched == []

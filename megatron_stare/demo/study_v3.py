@@ -61,10 +61,13 @@ MODEL = "smollm2-135m-instruct"
 START = {"H0": 2.3989, "source": "docs/study_v3/validity.json final"}
 TARGET_RATIO = 0.35
 SHARED = ("optimizer.lr=1e-4", "trainer.prompts_per_step=8")
-#: Study v3's methods, in the order they run (the issue's list; entropy bonus, CISPO and forking
-#: tokens after, if the budget allows).
-METHODS = ("grpo", "stare_c2", "dapo", "stare_o1", "clip_cov", "kl_cov", "gspo",
-           "entropy_bonus", "cispo", "forking_tokens")
+#: Study v3's methods in priority tiers: the goals' three (GRPO, STARE C2, DAPO) first on every
+#: seed, then the rest of the issue's list, then entropy bonus, CISPO and forking tokens if the
+#: budget allows. Runs go tier by tier, seed by seed within a tier (``order``), so whatever a
+#: session's budget cuts is the least needed.
+TIERS = (("grpo", "stare_c2", "dapo"), ("stare_o1", "clip_cov", "kl_cov", "gspo"),
+         ("entropy_bonus", "cispo", "forking_tokens"))
+METHODS = tuple(m for tier in TIERS for m in tier)
 #: DAPO's overlong buffer is 20% of the length limit in its paper (4096 of 20480): 26 of 128.
 TASK_OVERRIDES: Dict[str, tuple] = {"dapo": ("reward.overlong_buffer_len=26",)}
 DATA = dict(n_train=512, n_test=64, seed=0, tiers=STUDY_TIERS)
@@ -150,6 +153,13 @@ def problems(data: Data) -> str:
                f"{DATA['n_test']} held-out prompts"
     return f"word_problems seed {data.seed}, tiers {list(DATA['tiers'])}, {DATA['n_train']} train prompts; " \
            f"held-out: {pq.read_metadata(data.eval_path).num_rows} prompts of {data.eval_path}"
+
+
+def order(methods: Sequence[str], seeds: Sequence[int]) -> List[tuple]:
+    """(method, seed) in the order they run: tier by tier (``TIERS``), then seed, then method."""
+    tier = {m: i for i, t in enumerate(TIERS) for m in t}
+    return sorted(((m, s) for s in seeds for m in methods),
+                  key=lambda ms: (tier[ms[0]], seeds.index(ms[1]), METHODS.index(ms[0])))
 
 
 def log(msg: str) -> None:
@@ -361,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             a.model = str(fetch(MODEL, quiet=True))
         data.prepare(out)
         deadline = None if a.deadline_s is None else time.time() + a.deadline_s
-        specs = [(method, seed) for seed in a.seeds for method in a.methods]
+        specs = order(a.methods, a.seeds)
         with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
             for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline, data)
                       for m, seed in specs]:

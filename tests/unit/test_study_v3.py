@@ -232,3 +232,11 @@ def test_a_held_out_file_the_trainer_cannot_use_stops_before_any_run(case, messa
         v3.main(["--seeds", "1", "--methods", "grpo", "--out", str(tmp_path / "out"), "--model", "/m",
                  "--eval-path", str(path)])
     assert FakeTrainer.launched == []
+
+
+def test_runs_go_tier_by_tier_so_a_cut_budget_drops_the_least_needed():
+    order = v3.order(list(v3.METHODS), [1, 2, 3])
+    assert order[:9] == [(m, s) for s in (1, 2, 3) for m in ("grpo", "stare_c2", "dapo")]
+    assert order[9:13] == [("stare_o1", 1), ("clip_cov", 1), ("kl_cov", 1), ("gspo", 1)]
+    assert order[-1] == ("forking_tokens", 3) and len(order) == 30 == len(set(order))
+    assert v3.order(["dapo", "grpo"], [3, 1]) == [("grpo", 3), ("dapo", 3), ("grpo", 1), ("dapo", 1)]

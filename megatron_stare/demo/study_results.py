@@ -68,10 +68,13 @@ def finished(results: Path, seed: int, method: str, key: str) -> Optional[dict]:
 
 
 def write_result(results: Path, *, seed: int, method: str, key: str, rows: Sequence[dict], seconds: float,
-                 stopped: Optional[str], target: float, steps: int, overrides: Sequence[str]) -> Path:
+                 stopped: Optional[str], target: float, steps: int, overrides: Sequence[str],
+                 samples: Sequence[dict] = ()) -> Path:
+    """``samples``: a few of the run's generations (``samples.jsonl`` rows), kept for people to read."""
     return write_json_atomic(result_path(results, seed, method), {
         "seed": seed, "method": method, "key": key, "seconds": seconds, "stopped": stopped, "target": target,
-        "steps": steps, "overrides": list(overrides), "rows": compact_rows(rows)})
+        "steps": steps, "overrides": list(overrides), "rows": compact_rows(rows),
+        **({"samples": list(samples)} if samples else {})})
 
 
 def load_results(results: Path, seeds: Sequence[int], methods: Sequence[str]) -> Dict[Tuple[int, str], dict]:

@@ -74,6 +74,9 @@ DATA = dict(n_train=512, n_test=64, seed=0, tiers=STUDY_TIERS)
 STEPS = 100
 EVALS = 5
 SMOOTH = 5  # the figures' moving average (steps): 100-step runs
+#: Steps between the few generations a run writes to ``samples.jsonl`` (kept in its record for
+#: people to read; logging only, so not part of the run's key).
+SAMPLES_EVERY = 10
 _BY_KEY = {c[0]: c for c in (*rep.COLUMNS, *rep.EXTRA_COLUMNS)}
 #: The report's table: the v1/v2 columns with v3's pass@k (k = 4), the gate's duty and wall time.
 COLUMNS = tuple(_BY_KEY[k] for k in ("final_ratio", "in_band", "gate_duty", "train_acc", "pass1", "passk", "length",
@@ -200,7 +203,8 @@ def command(out: Path, method: str, seed: int, steps: int, model: str, gpu: bool
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1" if gpu else "2",
             "-m", "megatron_stare.train", "--config", str(CONFIG), f"model.path={model}",
             f"data.train_path={data.train(out)}", f"data.eval_path={data.test(out)}",
-            f"logging.dir={rd}", *ckpt, *method_overrides(method, seed, steps, gpu)]
+            f"logging.dir={rd}", f"logging.samples_every={SAMPLES_EVERY}", *ckpt,
+            *method_overrides(method, seed, steps, gpu)]
 
 
 def claim_run_dir(rd: Path, key: str) -> None:
@@ -268,10 +272,21 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
         raise SystemExit(f"[study v3] seed {seed} {method}: the trainer ended before step {steps} ({rd})")
     seconds = sum(float(r.get("time/step", 0.0)) for r in rows) or time.perf_counter() - t0
     sr.write_result(results, seed=seed, method=method, key=key, rows=rows, seconds=round(seconds, 1), stopped=stopped,
-                    target=target(), steps=steps, overrides=method_overrides(method, seed, steps, gpu))
+                    target=target(), steps=steps, overrides=method_overrides(method, seed, steps, gpu),
+                    samples=read_samples(rd / "samples.jsonl"))
     log(f"seed {seed} {method}: recorded in {sr.result_path(results, seed, method)}"
         + (f" (stopped: {stopped})" if stopped else ""))
     return sr.finished(results, seed, method, key)
+
+
+def read_samples(path: Path, max_chars: int = 600) -> List[dict]:
+    """``samples.jsonl``'s rows (step, prompt, response, reward), each text cut to ``max_chars``; []
+    without the file. (A resumed run's logger drops the rows past its checkpoint, as for metrics.)"""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [{**r, **{k: r[k][:max_chars] for k in ("prompt", "response") if isinstance(r.get(k), str)}}
+            for r in rows]
 
 
 def _wait(proc: subprocess.Popen, deadline: Optional[float]) -> Optional[int]:
@@ -325,6 +340,15 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
                "|---|---|---|---|---|---|---|", *eq]
     if stopped:
         md.append("\nStopped early (their numbers are those of the steps they ran): " + "; ".join(stopped))
+    last = [(k, v["samples"]) for k, v in sorted(current.items(), key=lambda kv: (kv[0][0], methods.index(kv[0][1])))
+            if v.get("samples")]
+    if last:
+        md += ["\n## What the policies write at the end (the first logged response of the last logged step)\n",
+               "| seed | method | step | reward | response |", "|---|---|---|---|---|"]
+        for (seed, name), samples in last:
+            s = [x for x in samples if x["step"] == samples[-1]["step"]][0]
+            text = " ".join(s["response"].split())[:200].replace("|", "\\|")
+            md.append(f"| {seed} | {sm.BY_NAME[name].label} | {s['step']} | {float(s['reward']):.2f} | {text} |")
     if stale:
         md.append("\nRecorded under other settings, left out: " + ", ".join(f"seed {s} {m}" for s, m in stale))
     results.mkdir(parents=True, exist_ok=True)

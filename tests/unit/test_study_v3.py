@@ -59,8 +59,13 @@ def test_a_finished_run_directory_is_recorded_without_rerunning_and_then_skipped
     def no_run(*a, **k):
         raise AssertionError("a finished run must not be run again")
 
+    with open(rd / "samples.jsonl", "w") as f:   # the trainer's logging.samples_every rows
+        for step in (2, 4):
+            f.write(json.dumps({"step": step, "prompt": "p" * 900, "response": f"a|b\n{step}", "reward": 0.2}) + "\n")
     monkeypatch.setattr(v3.subprocess, "Popen", no_run)
     rec = v3.run_one(out, "grpo", 1, 4, "model", results)
+    assert [x["step"] for x in rec["samples"]] == [2, 4] and len(rec["samples"][0]["prompt"]) == 600
+    assert "| 1 | GRPO | 4 | 0.20 | a\\|b 4 |" in v3.report(results, [1], list(v3.METHODS))
     assert rec["key"] == v3.run_key("grpo", 1, 4) and rec["seconds"] == 120.0 and len(rec["rows"]) == 4
     assert rec["overrides"] == v3.method_overrides("grpo", 1, 4)
     # Recorded: skipped even once the run directory is gone.
@@ -119,6 +124,7 @@ def test_on_a_gpu_a_run_past_the_deadline_is_stopped_and_recorded_with_its_steps
     cmd, _ = FakeTrainer.launched[0]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and not any(a.startswith("checkpoint.dir") for a in cmd)
     assert {"rollout.engine=hf", "model.attention_backend=torch"} <= set(cmd)
+    assert f"logging.samples_every={v3.SAMPLES_EVERY}" in cmd   # logging only: not in the key
     assert "Stopped early (their numbers are those of the steps they ran): seed 1 GRPO: deadline after 3 of 10" \
         in v3.report(results, [1], list(v3.METHODS), gpu=True)
 

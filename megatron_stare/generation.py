@@ -102,6 +102,14 @@ def sampling_params(defaults: SamplingDefaults, *, seed: int, stop_ids: Sequence
                           ignore_eos=d.ignore_eos)
 
 
+class RanDry(RuntimeError):
+    """DAPO's dynamic sampling drew ``trainer.max_gen_batches`` generation batches and kept too few
+    prompt groups with mixed rewards to train on: the policy's groups are all right or all wrong.
+    Every rank finds it on the same shared scores, so ``train.main`` prints one line; the run
+    stops there, as verl's DAPO does, and its steps so far are its result (the study records such
+    a run as stopped)."""
+
+
 class GroupSelector:
     """Collects a step's scored generation batches; keeps whole prompt groups (see the module
     docstring). ``full`` says whether the step has what it needs."""

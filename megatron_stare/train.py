@@ -51,6 +51,7 @@ from megatron_stare.async_save import BackgroundSaves, save_run
 from megatron_stare.config import Config, ConfigError, load_config, validate_config
 from megatron_stare.console import Console, console_of
 from megatron_stare.errors import UserError
+from megatron_stare.generation import RanDry
 from megatron_stare.offload import Offloader, first_sync, trainer_turn
 from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.reaper import install as install_reaper
@@ -178,12 +179,19 @@ class Trainer:
         self._saved_in_flight = []
         stopped = None
         try:
-            for step in range(self.start_step, self.cfg.trainer.total_steps):
-                if self.preempted(step) or self.interrupts.run(step):  # runs the step
-                    stopped = step
-                    break
-        finally:
-            self.rollouts.close()
+            try:
+                for step in range(self.start_step, self.cfg.trainer.total_steps):
+                    if self.preempted(step) or self.interrupts.run(step):  # runs the step
+                        stopped = step
+                        break
+            finally:
+                self.rollouts.close()
+        except Exception:
+            # A failed step still ends the engine (and waits for a background save) here, while
+            # the process group lives: left to the interpreter's exit, vLLM's finalizer tears
+            # down its groups after main's destroy_process_group and adds a traceback of its own.
+            self.close_after_error()
+            raise
         self.close()
         self.console.finished(self.start_step, stopped)
         return stopped
@@ -293,8 +301,11 @@ class Trainer:
 
             stats.multiturn = multiturn_metrics(generated)
         if not samples:
-            raise RuntimeError(f"step {step}: no informative prompt groups after "
-                               f"{self.cfg.trainer.max_gen_batches} generation batches")
+            t = self.cfg.trainer
+            raise RanDry(f"step {step + 1}: no informative prompt groups after {selector.batches} generation batches "
+                         f"(dynamic sampling kept {len(selector.kept)} groups with mixed rewards; a step needs at "
+                         f"least {t.mini_batches_per_step}): every group was all right or all wrong; "
+                         f"trainer.max_gen_batches={t.max_gen_batches} bounds the draws")
         return samples, stats
 
     def generate(self, prompts, params):
@@ -516,6 +527,21 @@ class Trainer:
                               "for Megatron checkpoints")
         return m.path
 
+    def close_after_error(self) -> None:
+        """``close`` on the way out of a failure, with nothing collective (another rank may be gone
+        or stuck): a background save in flight is abandoned (never finalized, its step directory
+        has no COMPLETE and resume passes it over) and the engine is shut down while the process
+        group lives. An error of its own is noted, never raised over the failure's."""
+        parts = [self.saves.abort, self.interrupts.close, self.logger.close,
+                 *([self.preemption.close] if self._owns_preemption else []),
+                 *([self.pool.close] if self.pool is not None else []),
+                 *([self.engine.shutdown] if self.engine is not None else [])]
+        for close in parts:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
+                self.console.note(f"while stopping after an error: {type(e).__name__}: {e}")
+
     def close(self) -> None:
         self.interrupts.close()
         if self._owns_preemption:
@@ -586,10 +612,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         write_status(2)
         return 2
-    except (SyncCheckError, EngineLost) as e:
+    except (SyncCheckError, EngineLost, RanDry) as e:
         # Found by a collective check, identically on every rank: one line, exit 1 (a failure,
         # not a user error); nothing of the step after the last checkpoint is saved. A rollout
-        # server lost past its restarts is such a check too (rollout/recovery.py).
+        # server lost past its restarts is such a check too (rollout/recovery.py), and so is
+        # DAPO's dynamic sampling running dry (generation.RanDry: on the same shared scores).
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         write_status(1)

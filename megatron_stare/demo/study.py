@@ -246,7 +246,7 @@ def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
     log(f"seed {spec.seed} {_name(spec)}: start ({rd.name})")
     with open(rd / "train.log", "w") as f:
         code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    stopped = None if code == 0 else ran_dry(rd)
+    stopped = None if code == 0 else sr.ran_dry(rd)
     if code != 0 and stopped is None:
         tail = (rd / "train.log").read_text()[-2000:]
         raise RuntimeError(f"seed {spec.seed} {_name(spec)} failed (exit {code}); log {rd / 'train.log'}:\n{tail}")
@@ -266,19 +266,6 @@ def _record(s: StudySettings, spec: RunSpec, start: dict, rd: Path, key: str) ->
                            rows=read_metrics(str(rd / "metrics.jsonl")), seconds=d["seconds"], stopped=d.get("stopped"),
                            target=target_entropy(s, start), steps=run_steps(s), overrides=spec.overrides)
     log(f"seed {spec.seed} {_name(spec)}: recorded {path}")
-
-
-def ran_dry(rd: Path) -> Optional[str]:
-    """Why a run ended early as a *result* rather than a failure, or None: DAPO's dynamic sampling
-    finds no prompt group with mixed rewards in ``trainer.max_gen_batches`` draws once the policy
-    has collapsed (every group all right or all wrong), and the trainer stops there (as verl's DAPO
-    does). The steps until then are the run's result; the report marks the run as stopped."""
-    marker = "no informative prompt groups after"
-    log_text = (rd / "train.log").read_text(errors="replace") if (rd / "train.log").is_file() else ""
-    line = next((ln for ln in log_text.splitlines() if marker in ln and "RuntimeError: " in ln), None)
-    if line is None or not (rd / "metrics.jsonl").is_file():
-        return None
-    return line.split("RuntimeError: ", 1)[1].strip()
 
 
 def run_all(s: StudySettings, specs: Sequence[RunSpec], starts: Dict[int, dict]) -> Dict[RunSpec, Path]:

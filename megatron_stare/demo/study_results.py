@@ -111,3 +111,20 @@ def keep_start_checkpoint(results: Path, seed: int, sft: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return dst
+
+
+def ran_dry(rd: Path, log_name: str = "train.log") -> Optional[str]:
+    """Why a run ended early as a *result* rather than a failure, or None: DAPO's dynamic sampling
+    finds no prompt group with mixed rewards in ``trainer.max_gen_batches`` draws once the policy
+    has collapsed (every group all right or all wrong), and the trainer stops there (as verl's DAPO
+    does; ``generation.RanDry``). The steps until then are the run's result; the report marks the
+    run as stopped. Reads the trainer's one line (``error: step N: ...``) in ``rd/log_name``, or
+    the traceback's last line that runs from before it was one line (``RuntimeError: ...``)."""
+    marker = "no informative prompt groups after"
+    log_text = (rd / log_name).read_text(errors="replace") if (rd / log_name).is_file() else ""
+    for ln in log_text.splitlines():
+        if marker in ln:
+            for prefix in ("RuntimeError: ", "RanDry: ", "error: "):
+                if prefix in ln and (rd / "metrics.jsonl").is_file():
+                    return ln.split(prefix, 1)[1].strip()
+    return None

@@ -245,8 +245,10 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
     rd = run_dir(out, method, seed, data)
     claim_run_dir(rd, key)
     t0 = time.perf_counter()
-    stopped = None
-    if finished_rows(rd, steps) is None:
+    # A run that ran dry (DAPO's dynamic sampling: generation.RanDry) is a result, not a failure;
+    # relaunched, it would resume and run dry at the same step again (its sampling is seeded).
+    stopped = None if finished_rows(rd, steps) is not None else sr.ran_dry(rd, "runner.log")
+    if finished_rows(rd, steps) is None and stopped is None:
         log(f"seed {seed} {method}: {steps} steps in {rd}")
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -257,7 +259,7 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
             rc = _wait(proc, deadline)
         if rc is None:
             stopped = "deadline"
-        elif rc != 0:
+        elif rc != 0 and (stopped := sr.ran_dry(rd, "runner.log")) is None:
             raise SystemExit(f"[study v3] seed {seed} {method}: the trainer exited {rc} (log: {rd / 'runner.log'}); "
                              + ("" if gpu else f"rerun to resume from its last checkpoint ({rd / 'ckpt'})"))
     rows = finished_rows(rd, steps)
@@ -265,9 +267,10 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
         path = rd / "metrics.jsonl"
         rows = read_metrics(str(path)) if path.is_file() else []
         if not rows:
-            log(f"seed {seed} {method}: stopped at the deadline before its first step; not recorded")
+            log(f"seed {seed} {method}: stopped ({stopped}) before its first step; not recorded")
             return None
-        stopped = f"deadline after {rows[-1]['step']} of {steps} steps"
+        why = "deadline" if stopped == "deadline" else "ran dry"
+        stopped = f"{why} after {rows[-1]['step']} of {steps} steps" + ("" if why == "deadline" else f" ({stopped})")
     if rows is None:
         raise SystemExit(f"[study v3] seed {seed} {method}: the trainer ended before step {steps} ({rd})")
     seconds = sum(float(r.get("time/step", 0.0)) for r in rows) or time.perf_counter() - t0

@@ -55,3 +55,8 @@ def parity_compute_score(data_source: str, solution_str: str, ground_truth: str,
     """``parity_reward`` with verl's ``compute_score`` signature: a reward any model's samples
     split on, so a real model's first steps move its weights (a correct-answer reward may not)."""
     return parity_reward(solution_str, ground_truth, extra_info or {})
+
+
+def constant_reward(response: str, answer: str, metadata: dict) -> float:
+    """1.0 for every response: every prompt group all right, so DAPO's dynamic sampling runs dry."""
+    return 1.0

@@ -167,13 +167,17 @@ def test_grids_equal_size_and_runs_keyed_by_their_settings(monkeypatch):
 
 
 def test_a_run_that_ran_dry_is_a_result_and_other_failures_are_not(tmp_path):
-    from megatron_stare.demo.study import ran_dry
+    from megatron_stare.demo.study_results import ran_dry
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "train.log").write_text(
         '[rank0]:     raise RuntimeError(f"step {step}: no informative prompt groups after "\n'
         "[rank0]: RuntimeError: step 332: no informative prompt groups after 10 generation batches\n")
     assert ran_dry(tmp_path) == "step 332: no informative prompt groups after 10 generation batches"
+    # The trainer's one line (generation.RanDry), in the v3 runner's log.
+    (tmp_path / "runner.log").write_text("step 55/100, eta 28m | ...\nerror: step 56: no informative prompt groups "
+                                         "after 10 generation batches (dynamic sampling kept 1 ...)\n")
+    assert ran_dry(tmp_path, "runner.log").startswith("step 56: no informative prompt groups after 10 generation")
     (tmp_path / "train.log").write_text("[rank0]: RuntimeError: CUDA out of memory\n")
     assert ran_dry(tmp_path) is None
     (tmp_path / "train.log").write_text("[rank0]: RuntimeError: step 3: no informative prompt groups after 1 x\n")

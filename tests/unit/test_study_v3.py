@@ -79,11 +79,13 @@ class FakeTrainer:
 
     launched: list = []
 
-    def __init__(self, rc, rows=()):
-        self.rc, self.rows, self.signals = rc, rows, []
+    def __init__(self, rc, rows=(), output=""):
+        self.rc, self.rows, self.signals, self.output = rc, rows, [], output
 
     def __call__(self, cmd, env, stdout, stderr):
         FakeTrainer.launched.append((cmd, env))
+        stdout.write(self.output)
+        stdout.flush()
         rd = [a.split("=", 1)[1] for a in cmd if a.startswith("logging.dir=")][0]
         with open(f"{rd}/metrics.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.rows)
@@ -246,3 +248,25 @@ def test_runs_go_tier_by_tier_so_a_cut_budget_drops_the_least_needed():
     assert order[9:13] == [("stare_o1", 1), ("clip_cov", 1), ("kl_cov", 1), ("gspo", 1)]
     assert order[-1] == ("forking_tokens", 3) and len(order) == 30 == len(set(order))
     assert v3.order(["dapo", "grpo"], [3, 1]) == [("grpo", 3), ("dapo", 3), ("grpo", 1), ("dapo", 1)]
+
+
+def test_a_run_that_ran_dry_is_recorded_as_stopped_and_never_relaunched(tmp_path, monkeypatch):
+    """DAPO's dynamic sampling running dry (the trainer's one line, exit 1) ends the run as a
+    result: recorded as stopped with the steps it ran; a rerun records it without relaunching
+    (it would resume and run dry at the same step). Any other exit is still a failure."""
+    out, results = tmp_path / "out", tmp_path / "results"
+    line = ("error: step 4: no informative prompt groups after 10 generation batches (dynamic sampling kept 1 "
+            "groups with mixed rewards; a step needs at least 2): every group was all right or all wrong\n")
+    FakeTrainer.launched.clear()
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=1, rows=_rows([2.0, 0.5, 0.2]), output=line))
+    rec = v3.run_one(out, "dapo", 1, 10, "/m", results)
+    assert rec["stopped"].startswith("ran dry after 3 of 10 steps (step 4: no informative prompt groups")
+    assert len(rec["rows"]) == 3 and len(FakeTrainer.launched) == 1
+    sr.result_path(results, 1, "dapo").unlink()
+    assert v3.run_one(out, "dapo", 1, 10, "/m", results)["stopped"] == rec["stopped"]
+    assert len(FakeTrainer.launched) == 1   # recorded from its log, not launched again
+    assert "Stopped early (their numbers are those of the steps they ran): seed 1 DAPO: ran dry after 3" \
+        in v3.report(results, [1], list(v3.METHODS))
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=1, rows=_rows([2.0]), output="error: out of memory\n"))
+    with pytest.raises(SystemExit, match="seed 1 grpo: the trainer exited 1"):
+        v3.run_one(out, "grpo", 1, 10, "/m", results)

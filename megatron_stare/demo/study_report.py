@@ -114,19 +114,20 @@ def summarize_run(rows: Sequence[dict], target: float) -> dict:
 
 def equal_tokens(dapo: Sequence[dict], grpo: Sequence[dict], target: float) -> Optional[dict]:
     """DAPO's run cut at GRPO's total generated tokens: ``summarize_run`` of the steps whose
-    cumulative tokens stay within it (None without token counts)."""
+    cumulative tokens stay within it, with ``budget_tokens`` (GRPO's) and ``tokens`` (those
+    steps': fewer when DAPO's run ended first); None without token counts."""
     if not dapo or not grpo or "rollout/generated_tokens" not in dapo[0]:
         return None
     budget = sum(float(r["rollout/generated_tokens"]) for r in grpo)
-    cum, cut = 0.0, 0
+    cum, cut, used = 0.0, 0, 0.0
     for i, r in enumerate(dapo):
         cum += float(r["rollout/generated_tokens"])
         if cum > budget:
             break
-        cut = i + 1
+        cut, used = i + 1, cum
     if cut == 0:
         return None
-    return {**summarize_run(dapo[:cut], target), "budget_tokens": budget}
+    return {**summarize_run(dapo[:cut], target), "budget_tokens": budget, "tokens": used}
 
 
 def goals(per_method: Mapping[str, dict]) -> Dict[str, Dict[str, bool]]:

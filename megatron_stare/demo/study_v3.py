@@ -322,7 +322,7 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
     for seed in summaries:
         e = rep.equal_tokens(rows.get((seed, "dapo"), []), rows.get((seed, "grpo"), []), target())
         if e is not None:
-            eq.append(f"| {seed} | {e['steps']} | {e['budget_tokens']:.0f} | {rep._fmt(e['final_ratio'], '{:.2f}')} | "
+            eq.append(f"| {seed} | {e['steps']} | {e['tokens']:.0f} of {e['budget_tokens']:.0f} | {rep._fmt(e['final_ratio'], '{:.2f}')} | "
                       f"{e['train_acc']:.3f} | {rep._fmt(e['pass1'], '{:.3f}')} | {rep._fmt(e['passk'], '{:.3f}')} |")
     hours = sum(v["seconds"] for v in current.values()) / 3600
     # The evaluations the recorded runs hold (not the default schedule: a run may set its own).
@@ -339,7 +339,7 @@ def report(results: Path, seeds: Sequence[int], methods: Sequence[str], gpu: boo
           "\n## Dynamics diagnostics (mean over seeds)\n", rep.diagnostics_md(summaries)]
     if eq:
         md += ["\n## DAPO at equal generated tokens (GRPO's total)\n",
-               "| seed | DAPO steps | tokens | H final / target | train acc | pass@1 | pass@k |",
+               "| seed | DAPO steps | DAPO's tokens of GRPO's | H final / target | train acc | pass@1 | pass@k |",
                "|---|---|---|---|---|---|---|", *eq]
     if stopped:
         md.append("\nStopped early (their numbers are those of the steps they ran): " + "; ".join(stopped))

@@ -134,7 +134,9 @@ def test_dapo_cut_at_grpos_generated_tokens():
     grpo = _rows(10, 100.0)                                       # 1000 tokens in all
     dapo = _rows(10, 300.0, acc=0.9, evals={2: (0.3, 0.4, 0.5), 6: (0.6, 0.7, 0.8)})  # 3x per step
     e = equal_tokens(dapo, grpo, target=0.3)
-    assert e["steps"] == 3 and e["budget_tokens"] == 1000          # 900 <= 1000 < 1200
+    assert e["steps"] == 3 and e["budget_tokens"] == 1000 and e["tokens"] == 900   # 900 <= 1000 < 1200
+    short = equal_tokens(_rows(2, 300.0), grpo, target=0.3)        # DAPO's run ended before the budget
+    assert short["steps"] == 2 and short["tokens"] == 600
     assert e["passk"] == 0.5 and e["train_acc"] == pytest.approx(0.9)
     assert equal_tokens(_rows(3, 2000.0), grpo, 0.3) is None        # DAPO's first step alone is over
     assert math.isnan(summarize_run(grpo, 0.3)["pass32"])

@@ -247,8 +247,9 @@ def run_one(out: Path, method: str, seed: int, steps: int, model: str, results: 
     t0 = time.perf_counter()
     # A run that ran dry (DAPO's dynamic sampling: generation.RanDry) is a result, not a failure;
     # relaunched, it would resume and run dry at the same step again (its sampling is seeded).
-    stopped = None if finished_rows(rd, steps) is not None else sr.ran_dry(rd, "runner.log")
-    if finished_rows(rd, steps) is None and stopped is None:
+    finished = finished_rows(rd, steps) is not None
+    stopped = None if finished else sr.ran_dry(rd, "runner.log")
+    if not finished and stopped is None:
         log(f"seed {seed} {method}: {steps} steps in {rd}")
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

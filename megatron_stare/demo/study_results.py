@@ -88,6 +88,13 @@ def load_results(results: Path, seeds: Sequence[int], methods: Sequence[str]) ->
     return out
 
 
+def recorded_seeds(results: Path) -> List[int]:
+    """The seeds with a ``seed<k>/`` folder of records under ``results`` (sorted)."""
+    root = Path(results)
+    found = [p.name[4:] for p in root.glob("seed*") if p.is_dir()] if root.is_dir() else []
+    return sorted(int(k) for k in found if k.isdigit())
+
+
 def load_starts(results: Path, seeds: Sequence[int]) -> Mapping[int, dict]:
     return {seed: json.loads((Path(results) / f"seed{seed}" / "start.json").read_text()) for seed in seeds
             if (Path(results) / f"seed{seed}" / "start.json").is_file()}

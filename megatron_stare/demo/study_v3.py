@@ -404,7 +404,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline, data)
                       for m, seed in specs]:
                 f.result()
-    print(report(results, a.seeds, list(METHODS), a.gpu, data), flush=True)
+    # The report covers every recorded seed, not only this call's: a runner started for one seed
+    # must not rewrite report.md without the others.
+    seeds = sorted(set(a.seeds) | set(sr.recorded_seeds(results)))
+    print(report(results, seeds, list(METHODS), a.gpu, data), flush=True)
     return 0
 
 

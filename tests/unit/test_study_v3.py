@@ -270,3 +270,16 @@ def test_a_run_that_ran_dry_is_recorded_as_stopped_and_never_relaunched(tmp_path
     monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=1, rows=_rows([2.0]), output="error: out of memory\n"))
     with pytest.raises(SystemExit, match="seed 1 grpo: the trainer exited 1"):
         v3.run_one(out, "grpo", 1, 10, "/m", results)
+
+
+def test_a_runner_for_one_seed_reports_every_recorded_seed(tmp_path):
+    """``--seeds 2`` runs seed 2 only, but the report it rewrites keeps seed 1's recorded runs."""
+    results = tmp_path / "results"
+    for seed in (1, 2):
+        sr.write_result(results, seed=seed, method="grpo", key=v3.run_key("grpo", seed, 3), rows=_rows([2.0, 1.0, 0.5]),
+                        seconds=90.0, stopped=None, target=v3.target(), steps=3,
+                        overrides=v3.method_overrides("grpo", seed, 3), samples=[])
+    assert sr.recorded_seeds(results) == [1, 2] and sr.recorded_seeds(tmp_path / "none") == []
+    v3.main(["--report-only", "--seeds", "2", "--results", str(results)])
+    table = (results / "report.md").read_text().split("## Goals")[0]
+    assert "| 1 | GRPO |" in table and "| 2 | GRPO |" in table

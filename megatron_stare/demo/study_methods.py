@@ -52,7 +52,18 @@ METHODS: Tuple[Method, ...] = (
     Method("forking_tokens", "Forking tokens", ("algorithm.policy_loss=forking_tokens", *GRPO_CLIP)),
     Method("stare_o1", "STARE O1", ("algorithm.policy_loss=stare", *GRPO_CLIP, "algorithm.stare.variant=O1")),
     Method("stare_c2", "STARE C2", ("algorithm.policy_loss=stare", *GRPO_CLIP, "algorithm.stare.variant=C2")),
+    # The public reference's own recipes (hp-luo/STARE, recipe/STARE/scripts/run_short_cot_*): STARE
+    # O1 with fixed weights on GRPO with dynamic sampling and clip-higher, and that GRPO ("GRPO-ds")
+    # as its baseline. Study v3 only (V3_ONLY).
+    Method("grpo_ds", "GRPO-ds", ("algorithm.policy_loss=vanilla", "algorithm.clip_ratio_low=0.2",
+                                  "trainer.dynamic_sampling=true")),
+    Method("stare_ref", "STARE (reference recipe)",
+           ("algorithm.policy_loss=stare", "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.28",
+            "trainer.dynamic_sampling=true", "algorithm.stare.variant=O1", "algorithm.stare.top_p=0.1",
+            "algorithm.stare.adaptive=false")),
 )
+#: Methods added for study v3; v1 and v2 (their runners' defaults and committed results) predate them.
+V3_ONLY: Tuple[str, ...] = ("grpo_ds", "stare_ref")
 BY_NAME: Dict[str, Method] = {m.name: m for m in METHODS}
 
 #: Step 1 of tuning: (learning rate, prompts per step), GRPO only; applies to every method.
@@ -96,6 +107,10 @@ GRIDS: Dict[str, Tuple[Overrides, ...]] = {
                  ("algorithm.stare.top_p=0.2", *_ADAPTIVE, "algorithm.stare.w_max=30")),
     "stare_c2": (("algorithm.stare.top_p=0.2", *_ADAPTIVE, "algorithm.stare.w_max=10", "algorithm.stare.m_min=0.1"),
                  ("algorithm.stare.top_p=0.2", *_ADAPTIVE, "algorithm.stare.w_max=30", "algorithm.stare.m_min=0.03")),
+    # The reference recipes: its clip-higher 0.28 (as DAPO's grid), and its STARE weights for 7B
+    # (W 1.1, M 0.9) and for 14B/32B (W 1.05, M 0.95). Not tuned: the reference's 7B point is chosen.
+    "grpo_ds": tuple((f"algorithm.clip_ratio_high={e}",) for e in ("0.28", "0.24")),
+    "stare_ref": tuple((f"algorithm.stare.w={w}", f"algorithm.stare.m={m}") for w, m in (("1.1", "0.9"), ("1.05", "0.95"))),
 }
 GRID_SIZE = 2
 
@@ -103,7 +118,7 @@ GRID_SIZE = 2
 CHOSEN: Dict[str, int] = {"grpo": 0, "dapo": 0, "entropy_bonus": 0, "clip_cov": 1, "kl_cov": 1, "gepo": 1,
                           "stare_o1": 0, "stare_c2": 0,
                           # Not tuned (study v2 cut its tuning to fit; docs/study.md): the papers' point.
-                          "gspo": 0, "cispo": 0, "forking_tokens": 0}
+                          "gspo": 0, "cispo": 0, "forking_tokens": 0, "grpo_ds": 0, "stare_ref": 0}
 
 
 def method_overrides(name: str, knobs: Optional[Overrides] = None, shared: Overrides = SHARED) -> List[str]:

@@ -61,11 +61,12 @@ MODEL = "smollm2-135m-instruct"
 START = {"H0": 2.3989, "source": "docs/study_v3/validity.json final"}
 TARGET_RATIO = 0.35
 SHARED = ("optimizer.lr=1e-4", "trainer.prompts_per_step=8")
-#: Study v3's methods in priority tiers: the goals' three (GRPO, STARE C2, DAPO) first on every
-#: seed, then the rest of the issue's list, then entropy bonus, CISPO and forking tokens if the
-#: budget allows. Runs go tier by tier, seed by seed within a tier (``order``), so whatever a
-#: session's budget cuts is the least needed.
-TIERS = (("grpo", "stare_c2", "dapo"), ("stare_o1", "clip_cov", "kl_cov", "gspo"),
+#: Study v3's methods in priority tiers: the goals' three (GRPO, STARE C2, DAPO) and STARE as its
+#: public reference runs it (``stare_ref``: on GRPO with dynamic sampling) first on every seed,
+#: then the reference's own baseline (GRPO-ds) and the rest of the issue's list, then entropy
+#: bonus, CISPO and forking tokens if the budget allows. Runs go tier by tier, seed by seed within
+#: a tier (``order``), so whatever a session's budget cuts is the least needed.
+TIERS = (("grpo", "stare_c2", "dapo", "stare_ref"), ("grpo_ds", "stare_o1", "clip_cov", "kl_cov", "gspo"),
          ("entropy_bonus", "cispo", "forking_tokens"))
 METHODS = tuple(m for tier in TIERS for m in tier)
 #: DAPO's overlong buffer is 20% of the length limit in its paper (4096 of 20480): 26 of 128.

@@ -26,6 +26,12 @@ def test_every_method_makes_a_valid_config_with_the_shared_settings(method, tmp_
     assert cfg.algorithm.stare.target_entropy == pytest.approx(expected, abs=1e-9)
     # DAPO's overlong buffer is scaled to the 128-token limit (its paper's 20%), after v1's 3.
     assert cfg.reward.overlong_buffer_len == (26 if method == "dapo" else 0)
+    # The public reference's recipes: dynamic sampling and clip-higher; STARE O1 at fixed weights.
+    if method in ("grpo_ds", "stare_ref"):
+        assert cfg.trainer.dynamic_sampling and cfg.algorithm.clip_ratio_high == 0.28
+    if method == "stare_ref":
+        stare = cfg.algorithm.stare
+        assert (stare.variant, stare.top_p, stare.w, stare.m, stare.adaptive) == ("O1", 0.1, 1.1, 0.9, False)
 
 
 def test_run_key_names_the_method_seed_steps_and_start(monkeypatch):
@@ -244,9 +250,9 @@ def test_a_held_out_file_the_trainer_cannot_use_stops_before_any_run(case, messa
 
 def test_runs_go_tier_by_tier_so_a_cut_budget_drops_the_least_needed():
     order = v3.order(list(v3.METHODS), [1, 2, 3])
-    assert order[:9] == [(m, s) for s in (1, 2, 3) for m in ("grpo", "stare_c2", "dapo")]
-    assert order[9:13] == [("stare_o1", 1), ("clip_cov", 1), ("kl_cov", 1), ("gspo", 1)]
-    assert order[-1] == ("forking_tokens", 3) and len(order) == 30 == len(set(order))
+    assert order[:12] == [(m, s) for s in (1, 2, 3) for m in ("grpo", "stare_c2", "dapo", "stare_ref")]
+    assert order[12:17] == [("grpo_ds", 1), ("stare_o1", 1), ("clip_cov", 1), ("kl_cov", 1), ("gspo", 1)]
+    assert order[-1] == ("forking_tokens", 3) and len(order) == 36 == len(set(order))
     assert v3.order(["dapo", "grpo"], [3, 1]) == [("grpo", 3), ("dapo", 3), ("grpo", 1), ("dapo", 1)]
 
 

@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -401,10 +402,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data.prepare(out)
         deadline = None if a.deadline_s is None else time.time() + a.deadline_s
         specs = order(a.methods, a.seeds)
+        # A failed or interrupted run stops the study: the queued runs see ``stop`` and never
+        # start (a worker takes the next run as soon as one fails, before the caller could
+        # cancel it); a run already going beside it (--jobs 2) finishes.
+        stop = threading.Event()
+
+        def one(method: str, seed: int) -> Optional[dict]:
+            if stop.is_set():
+                return None
+            try:
+                return run_one(out, method, seed, a.steps, a.model, results, a.gpu, deadline, data)
+            except BaseException:
+                stop.set()
+                raise
+
         with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
-            for f in [pool.submit(run_one, out, m, seed, a.steps, a.model, results, a.gpu, deadline, data)
-                      for m, seed in specs]:
-                f.result()
+            futures = [pool.submit(one, m, seed) for m, seed in specs]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                stop.set()
+                raise
     # The report covers every recorded seed, not only this call's: a runner started for one seed
     # must not rewrite report.md without the others.
     seeds = sorted(set(a.seeds) | set(sr.recorded_seeds(results)))

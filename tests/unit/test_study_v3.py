@@ -120,6 +120,17 @@ def test_an_unfinished_run_is_launched_and_a_failed_one_stops_with_its_resume_hi
     assert not sr.result_path(results, 2, "stare_c2").exists()
 
 
+def test_a_failed_or_interrupted_run_stops_the_runner_before_the_next_run(tmp_path, monkeypatch):
+    """The runner queues every run; one that fails (or is stopped by Ctrl-C) must not let the
+    queued ones start."""
+    FakeTrainer.launched.clear()
+    monkeypatch.setattr(v3.subprocess, "Popen", FakeTrainer(rc=-2))
+    with pytest.raises(SystemExit, match="seed 1 grpo: the trainer exited -2"):
+        v3.main(["--seeds", "1", "--methods", "grpo", "dapo", "--steps", "3", "--out", str(tmp_path / "out"),
+                 "--model", "/m", "--results", str(tmp_path / "results")])
+    assert len(FakeTrainer.launched) == 1
+
+
 def test_on_a_gpu_a_run_past_the_deadline_is_stopped_and_recorded_with_its_steps(tmp_path, monkeypatch):
     out, results = tmp_path / "out", tmp_path / "results"
     FakeTrainer.launched.clear()

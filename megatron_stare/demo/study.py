@@ -49,6 +49,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = TASKS["pick_sum"].config
 
 
+#: The methods this runner (v1, v2) knows: every study method but study v3's additions.
+V2_METHODS = [m.name for m in sm.METHODS if m.name not in sm.V3_ONLY]
+
+
 @dataclass
 class StudySettings:
     out: str = "runs/study"
@@ -66,7 +70,7 @@ class StudySettings:
     eval_prompts: int = 256
     quick: bool = False
     """CI-sized: a few SFT steps, a few RL steps of tiny batches (checks the pipeline, shows nothing)."""
-    methods: List[str] = field(default_factory=lambda: [m.name for m in sm.METHODS if m.name not in sm.V3_ONLY])
+    methods: List[str] = field(default_factory=lambda: list(V2_METHODS))
     overrides: List[str] = field(default_factory=list)
     """Extra ``a.b=c`` trainer overrides for every run (after the study's own)."""
     task: str = "pick_sum"
@@ -87,7 +91,7 @@ def results_dir(s: StudySettings) -> Optional[Path]:
 
 
 #: Study v1's methods (its committed results predate GSPO, CISPO and forking tokens).
-V1_METHODS = [m.name for m in sm.METHODS if m.name not in ("gspo", "cispo", "forking_tokens", *sm.V3_ONLY)]
+V1_METHODS = [m for m in V2_METHODS if m not in ("gspo", "cispo", "forking_tokens")]
 
 
 def log(msg: str) -> None:
@@ -399,7 +403,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple:
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the task's)")
     ap.add_argument("--jobs", type=int, default=d.jobs, help="runs side by side (default %(default)s)")
     ap.add_argument("--target-ratio", type=float, default=d.target_ratio)
-    ap.add_argument("--methods", nargs="+", default=d.methods, choices=[m.name for m in sm.METHODS if m.name not in sm.V3_ONLY])
+    ap.add_argument("--methods", nargs="+", default=d.methods, choices=V2_METHODS)
     ap.add_argument("--quick", action="store_true", help="CI-sized: tiny warm start, 3 RL steps per run")
     ap.add_argument("--tune", choices=("shared", "methods"), default=None,
                     help="run a tuning stage on seed 0 instead of the study: the shared lr/batch grid "

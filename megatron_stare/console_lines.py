@@ -41,8 +41,9 @@ def _f(metrics: Mapping[str, Any], key: str) -> Optional[float]:
 def step_line(step: int, total_steps: Optional[int], metrics: Mapping[str, Any], eta_s: Optional[float] = None,
               target_entropy: Optional[float] = None) -> str:
     """``step 12/100, eta 4m12s | generate 28.1s score 0.2s train 3.1s sync 0.4s | reward 0.41
-    acc 0.50 len 57.3 | H 0.41/0.30 gate off | 812 tok/s``; fields whose metric is absent (or
-    ``eta_s`` None) are left out, ``acc`` when it equals the reward mean (binary rewards), minor
+    acc 0.50 len 57.3 flat 25% | H 0.41/0.30 gate off | 812 tok/s``; fields whose metric is absent
+    (or ``eta_s`` None) are left out, ``acc`` when it equals the reward mean (binary rewards),
+    ``flat`` (the prompt groups whose rewards were all equal: zero advantage) when none was, minor
     phases (gather, the pipeline's wait, eval, the engine's sleep/wake) under 50 ms."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if eta_s is not None:
@@ -62,6 +63,8 @@ def step_line(step: int, total_steps: Optional[int], metrics: Mapping[str, Any],
         reward.append(f"acc {acc:.2f}")
     if length is not None:
         reward.append(f"len {length:.1f}")
+    if (flat := _f(metrics, "rollout/flat_groups")) is not None and flat > 0:
+        reward.append(f"flat {flat:.0%}")  # groups whose rewards are all equal: no signal
     if reward:
         parts.append(" ".join(reward))
     stare = []

@@ -68,6 +68,10 @@ class RolloutStats:
     ``max_total_tokens`` before the environment said done."""
     gen_batches: int = 0
     kept_groups: int = 0
+    flat_groups: float = 0.0
+    """Fraction of the step's drawn prompt groups whose responses all earned the same (shaped)
+    reward: their advantages are all 0, so they teach nothing (dynamic sampling drops them).
+    Near 1, a step trains on almost nothing whatever the loss."""
     num_tokens: int = 0
     """Every response token generated or appended (observations included): the rollout's work."""
     reward_timeouts: int = 0
@@ -84,7 +88,8 @@ class RolloutStats:
                 "reward/timeouts": self.reward_timeouts,
                 "response/mean_length": self.response_len_mean, "response/max_length": self.response_len_max,
                 "response/truncated_frac": self.truncated_frac, "rollout/gen_batches": self.gen_batches,
-                "rollout/kept_groups": self.kept_groups, "rollout/generated_tokens": self.num_tokens}
+                "rollout/kept_groups": self.kept_groups, "rollout/flat_groups": self.flat_groups,
+                "rollout/generated_tokens": self.num_tokens}
 
 
 def model_tokens(result: GenerationResult) -> int:
@@ -120,6 +125,7 @@ class GroupSelector:
         self.correct: List[float] = []
         self.lengths: List[int] = []
         self.truncated = self.batches = self.timeouts = self.total_tokens = 0
+        self.drawn = self.flat = 0  # prompt groups drawn, and those of zero reward variance
         self.extra_sums: Dict[str, List[float]] = {}  # key -> [sum, count] over the responses
 
     def add(self, batch: ScoredBatch) -> None:
@@ -140,8 +146,11 @@ class GroupSelector:
         n = batch.n
         for i, p in enumerate(batch.prompts):
             group = shaped[i * n:(i + 1) * n]
-            if t.dynamic_sampling and max(group) == min(group):
-                continue  # zero reward variance: no learning signal (DAPO)
+            self.drawn += 1
+            if max(group) == min(group):  # zero reward variance: every advantage 0
+                self.flat += 1
+                if t.dynamic_sampling:
+                    continue  # no learning signal: DAPO draws another group instead
             self.kept.append((p, batch.results[i * n:(i + 1) * n], group))
 
     @property
@@ -179,7 +188,8 @@ class GroupSelector:
             response_len_mean=float(sum(self.lengths) / max(len(self.lengths), 1)),
             response_len_max=int(max(self.lengths, default=0)),
             truncated_frac=self.truncated / max(len(self.lengths), 1), gen_batches=self.batches,
-            kept_groups=len(kept), num_tokens=self.total_tokens, reward_timeouts=self.timeouts,
+            kept_groups=len(kept), flat_groups=self.flat / max(self.drawn, 1), num_tokens=self.total_tokens,
+            reward_timeouts=self.timeouts,
             reward_extras={k: s / c for k, (s, c) in self.extra_sums.items()})
         return samples, stats
 

@@ -34,6 +34,10 @@ def test_step_line():
     assert step_line(1, 2, {"time/generate": 0.004, "time/eval": 0.2, "time/wait_generate": 0.06}) == \
         "step 1/2 | generate 4ms wait 60ms eval 0.2s"
     assert step_line(12, 100, {}, eta_s=252.4) == "step 12/100, eta 4m12s"
+    # The share of prompt groups with one reward for all (zero advantage), only when there were any.
+    assert step_line(2, 4, {"reward/mean": 0.2, "response/mean_length": 15.0, "rollout/flat_groups": 0.4375}) == \
+        "step 2/4 | reward 0.20 len 15.0 flat 44%"
+    assert step_line(2, 4, {"reward/mean": 0.2, "rollout/flat_groups": 0.0}) == "step 2/4 | reward 0.20"
     assert [seconds(t) for t in (0.0, 0.0123, 0.1, 28.14, 252.4)] == ["0ms", "12ms", "0.1s", "28.1s", "4m12s"]
 
 

@@ -117,6 +117,27 @@ def test_extras_are_logged_as_step_means():
     assert m["reward/mean"] == 0.75  # the built-in, not the reward's own "mean"
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_flat_groups_are_the_share_of_drawn_groups_with_one_reward(dynamic):
+    """Two batches of two groups of 2 responses: three groups earn one reward for both responses
+    ((1, 1), (0.3, 0.3), (0, 0)), one is mixed. ``rollout/flat_groups`` is 3/4 of the drawn groups
+    either way; GRPO keeps the flat groups (advantage 0), dynamic sampling drops them."""
+    cfg = Config()
+    cfg.trainer.prompts_per_step, cfg.rollout.n = 2, 2
+    cfg.trainer.dynamic_sampling, cfg.trainer.max_gen_batches = dynamic, 2
+    prompts = [Prompt("p", "1", {}, "p", [1], "t:1"), Prompt("q", "2", {}, "q", [2], "t:2")]
+    results = [GenerationResult(i // 2, i % 2, [5, 6], torch.zeros(2), "stop") for i in range(4)]
+    sel = GroupSelector(cfg)
+    sel.add(ScoredBatch(prompts, results, [1.0, 1.0, 0.3, 0.3], 2))
+    sel.add(ScoredBatch(prompts, results, [0.0, 0.0, 1.0, 0.0], 2))
+    samples, stats = sel.finish()
+    assert stats.metrics()["rollout/flat_groups"] == 0.75
+    if dynamic:  # one informative group: trimmed to a multiple of the mini-batches (1)
+        assert stats.kept_groups == 1 and [s.reward for s in samples] == [1.0, 0.0]
+    else:
+        assert stats.kept_groups == 4 and [s.advantage for s in samples[:6]] == [0.0] * 6
+
+
 def test_acc_of_a_dict_return_is_the_verdict_of_accuracy_and_held_out_avg_at_k():
     """A reward that pays 0.3 for a wrong answer in the right format (verl's ``format_score``)
     returns ``acc``: the step's accuracy and the held-out avg@k / pass@k count ``acc``, not

@@ -197,7 +197,8 @@ def goals_values_md(summaries: Mapping[int, Mapping[str, dict]]) -> str:
     """Markdown: one row per goal, one column per seed, each cell the verdict with the numbers it
     rests on (``goals`` gives the booleans; here a tie on pass@k is named as one)."""
     seeds = list(summaries)
-    variants = [(n, sm.BY_NAME[n].label) for n in ("stare_c2", "stare_o1")
+    # Every STARE the study runs: ours on GRPO (C2, O1) and the reference's recipe (study v3).
+    variants = [(n, sm.BY_NAME[n].label) for n in ("stare_c2", "stare_o1", "stare_ref")
                 if any(n in summaries[s] for s in seeds)]
 
     def verdict(ok: bool) -> str:

@@ -152,20 +152,23 @@ def test_report_from_the_recorded_files_judges_the_goals_and_leaves_out_stale_ru
     results, t = tmp_path / "results", v3.target()
     grpo = _rows([2.0, 1.0] + [0.3 * t] * 8, evals={10: {"eval/avg@4": 0.2, "eval/pass@4": 0.4}})
     stare = _rows([2.0, 1.0, 0.9 * t] + [1.1 * t] * 7, gate=1.0, evals={10: {"eval/avg@4": 0.3, "eval/pass@4": 0.5}})
-    for method, rows in (("grpo", grpo), ("stare_c2", stare)):
+    ref = _rows([2.0, 1.0] + [0.2 * t] * 8, gate=1.0, evals={10: {"eval/avg@4": 0.7, "eval/pass@4": 0.8}})
+    for method, rows in (("grpo", grpo), ("stare_c2", stare), ("stare_ref", ref)):
         sr.write_result(results, seed=1, method=method, key=v3.run_key(method, 1, 10), rows=rows, seconds=300.0,
                         stopped=None, target=t, steps=10, overrides=v3.method_overrides(method, 1, 10))
     sr.write_result(results, seed=1, method="dapo", key="old", rows=grpo, seconds=1.0, stopped=None, target=t,
                     steps=10, overrides=[])
     text = v3.report(results, [1], list(v3.METHODS))
     assert (results / "report.md").read_text() == text
-    assert "recorded runs (2, 0.2 h of runs; 2 CPU cores, DP2, vLLM-CPU)" in text
+    assert "recorded runs (3, 0.2 h of runs; 2 CPU cores, DP2, vLLM-CPU)" in text
     assert "(pass@1 = avg@4, pass@k = pass@4), at steps 10." in text   # the runs' own evaluations
     assert "Recorded under other settings, left out: seed 1 dapo" in text
     goals = text.split("## Goals")[1].split("##")[0]
     assert "GRPO's final entropy below half the target | **met** (0.30x)" in goals
-    assert "STARE in the band on >= 80% of the steps after its gate | **met** (STARE C2 1.00)" in goals
-    assert "STARE C2 0.500: met (GRPO 0.400)" in goals   # pass@4, the evaluation's own k
+    # Both STAREs are judged: the reference recipe below its band misses the goal for the seed.
+    assert ("STARE in the band on >= 80% of the steps after its gate | **missed** (STARE C2 1.00, "
+            "STARE (reference recipe) 0.00)") in goals
+    assert "STARE C2 0.500: met; STARE (reference recipe) 0.800: met (GRPO 0.400)" in goals   # pass@4
     summary_row = [line for line in text.splitlines() if line.startswith("| 1 | STARE C2 |")][0]
     assert not math.isnan(float(summary_row.split("|")[4]))  # in band after gate
     # The figures of the current runs sit beside the report, which links them.

@@ -77,7 +77,9 @@ def test_console_tells_the_story(uninterrupted):
         gen = re.search(r"\| generate (\d+)ms |\| generate ([\d.]+)s ", ln)
         assert gen and float(gen.group(1) or gen.group(2)) > 0 and r["time/generate"] > 0, ln
         assert ln.startswith(f"step {r['step']}/4, eta ") and " score " in ln and " train " in ln and " sync " in ln
-        assert f"| reward {r['reward/mean']:.2f} " in ln and f" len {r['response/mean_length']:.1f} |" in ln, ln
+        # After the length, the share of groups with one reward for all (zero advantage), if any.
+        flat = f" flat {r['rollout/flat_groups']:.0%}" if r["rollout/flat_groups"] > 0 else ""
+        assert f"| reward {r['reward/mean']:.2f} " in ln and f" len {r['response/mean_length']:.1f}{flat} |" in ln, ln
         assert f"| H {r['stare/entropy']:.2f}/10.00 gate on | " in ln and ln.endswith(" tok/s"), ln
     story = [ln for ln in lines if not ln.startswith("step ")][3:]
     assert story[:-1] == [

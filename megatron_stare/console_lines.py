@@ -43,7 +43,7 @@ def step_line(step: int, total_steps: Optional[int], metrics: Mapping[str, Any],
     """``step 12/100, eta 4m12s | generate 28.1s score 0.2s train 3.1s sync 0.4s | reward 0.41
     acc 0.50 len 57.3 flat 25% | H 0.41/0.30 gate off | 812 tok/s``; fields whose metric is absent
     (or ``eta_s`` None) are left out, ``acc`` when it equals the reward mean (binary rewards),
-    ``flat`` (the prompt groups whose rewards were all equal: zero advantage) when none was, minor
+    ``flat`` (the share of prompt groups whose rewards were all equal: zero advantage) when any was, minor
     phases (gather, the pipeline's wait, eval, the engine's sleep/wake) under 50 ms."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if eta_s is not None:

@@ -70,7 +70,8 @@ class RolloutStats:
     kept_groups: int = 0
     flat_groups: float = 0.0
     """Fraction of the step's drawn prompt groups whose responses all earned the same (shaped)
-    reward: their advantages are all 0, so they teach nothing (dynamic sampling drops them).
+    reward: under the group-relative estimators (grpo, dr_grpo, rloo) their advantages are all 0,
+    so they teach nothing (dynamic sampling drops them).
     Near 1, a step trains on almost nothing whatever the loss."""
     num_tokens: int = 0
     """Every response token generated or appended (observations included): the rollout's work."""

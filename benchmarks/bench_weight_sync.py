@@ -98,9 +98,9 @@ def _engine(port: int) -> None:
 def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     """One rank of a variant's world; returns its runner."""
     torch.set_num_threads(1)
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.weight_sync.export import ExportStats, iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, group_ranks, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, group_ranks, init_distributed
     from megatron_stare.testing.distributed import free_port
     from megatron_stare.weight_sync import PeakMemory, ProcessGroupSender, init_named_weight_group
     from megatron_stare.weight_sync.wire import broadcast
@@ -119,7 +119,7 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     all_stage = [torch.zeros_like(stage_bytes) for _ in range(world)]
     dist.all_gather(all_stage, stage_bytes)
     total = int(sum(int(t) for t in all_stage))
-    from megatron_stare.models.sharding import local_params
+    from megatron_stare.weight_sync.sharding import local_params
     shard = sum(p.numel() * p.element_size() for _, _, p in local_params(model)
                 if tp > 1 and getattr(p, "tensor_model_parallel", False))
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [rank]

@@ -47,22 +47,22 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_stare.async_save import BackgroundSaves, save_run
-from megatron_stare.config import Config, ConfigError, load_config, validate_config
-from megatron_stare.console import Console, console_of
+from megatron_stare.checkpoint.async_save import BackgroundSaves, save_run
+from megatron_stare.config.load import Config, ConfigError, load_config, validate_config
+from megatron_stare.trainer.console import Console, console_of
 from megatron_stare.errors import UserError
-from megatron_stare.generation import RanDry
-from megatron_stare.offload import Offloader, first_sync, trainer_turn
-from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
-from megatron_stare.reaper import install as install_reaper
+from megatron_stare.trainer.generation import RanDry
+from megatron_stare.trainer.offload import Offloader, first_sync, trainer_turn
+from megatron_stare.runtime.preemption import Preemption, interrupted_again, leave, write_status
+from megatron_stare.runtime.reaper import install as install_reaper
 from megatron_stare.run import note_engine
-from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
+from megatron_stare.trainer.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.rollout.vllm_fleet import EngineLost
-from megatron_stare.save_schedule import SaveClock
-from megatron_stare.step_interrupt import StepInterrupts
+from megatron_stare.checkpoint.schedule import SaveClock
+from megatron_stare.runtime.step_interrupt import StepInterrupts
 from megatron_stare.weight_sync.probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
 
 
@@ -77,10 +77,10 @@ class Trainer:
         from megatron_stare.algorithms.off_policy import run_off_policy
         from megatron_stare.algorithms.stare import StareController
         from megatron_stare.data import load_run_data
-        from megatron_stare.metrics import MetricsLogger, Timer
+        from megatron_stare.trainer.metrics import MetricsLogger, Timer
         from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
-        from megatron_stare.parallel import ParallelLayout, init_distributed
-        from megatron_stare.plan import resolve_recompute
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
+        from megatron_stare.plan.planner import resolve_recompute
 
         from megatron_stare.rewards import check_reward_config
 
@@ -169,7 +169,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
-        from megatron_stare.async_rollouts import AsyncRollouts
+        from megatron_stare.trainer.async_rollouts import AsyncRollouts
 
         first_sync(self)  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
@@ -277,7 +277,7 @@ class Trainer:
         """Phases 1-3, repeated while DAPO dynamic sampling asks for more prompt groups. Every
         rank runs this loop on the same gathered results and shared scores, so every rank draws
         the same prompts, keeps the same groups and makes the same generate calls."""
-        from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
+        from megatron_stare.trainer.generation import GroupSelector, ScoredBatch, sampling_params
 
         selector = GroupSelector(self.cfg)
         self.recovery.new_step()
@@ -403,7 +403,7 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
-        from megatron_stare.models.export import iter_hf_buckets
+        from megatron_stare.weight_sync.export import iter_hf_buckets
 
         colocated = self.engine_spec.traits.colocated  # else pieces: two buckets on the sending rank
         buckets = iter_hf_buckets(self.actor.model, self.groups, self.model_spec,
@@ -463,7 +463,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
-        from megatron_stare.generation import ScoredBatch, eval_metrics, sampling_params
+        from megatron_stare.trainer.generation import ScoredBatch, eval_metrics, sampling_params
 
         prompts = list(self.eval_set)
         params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
@@ -489,7 +489,7 @@ class Trainer:
         self.save_clock.saved()
 
     def _resume(self) -> None:
-        from megatron_stare.checkpoint import latest_complete, load_checkpoint
+        from megatron_stare.checkpoint.core import latest_complete, load_checkpoint
 
         c = self.cfg.checkpoint
         if c.resume == "never" or (c.resume == "auto" and not c.dir):
@@ -510,7 +510,7 @@ class Trainer:
 
     def export_hf(self, step: int) -> None:
         """Write the current policy as an HF checkpoint (safetensors + config + tokenizer)."""
-        from megatron_stare.models.hf_export import write_hf_checkpoint
+        from megatron_stare.weight_sync.hf_export import write_hf_checkpoint
         from megatron_stare.models.provider import load_hf_config
 
         with trainer_turn(self):
@@ -568,7 +568,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
     args = ap.parse_args(argv)
     if args.dry_run:
-        from megatron_stare import plan
+        from megatron_stare.plan import planner as plan
 
         extra = ["--world-size", str(args.world_size or int(os.environ.get("WORLD_SIZE", "1"))),
                  "--gpu-mem-gb", str(args.gpu_mem_gb)]
@@ -605,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # rendezvous error is a node's own (rank 0 may never see it): one line per node. Any
         # other exception - a library's ValueError included - is a crash with its traceback
         # (errors.py says why the two are kept apart).
-        from megatron_stare.rendezvous import RendezvousError
+        from megatron_stare.runtime.rendezvous import RendezvousError
 
         first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
         if int(os.environ.get(first, "0")) == 0:

@@ -10,7 +10,7 @@ MODEL=$(.venv/bin/python -c "from megatron_stare.models.fetch import fetch; prin
 DATA=runs/v3/data
 [[ -f $DATA/train.parquet ]] || .venv/bin/python -m megatron_stare.demo.word_problems $DATA \
   --tiers $(.venv/bin/python -c "from megatron_stare.demo.word_problems import STUDY_TIERS as t; print(*t)")
-OV=$(.venv/bin/python -c "from megatron_stare.demo.study_methods import method_overrides as m; import sys; print(' '.join(m(sys.argv[1], shared=('optimizer.lr=1e-4','trainer.prompts_per_step=8'))))" $METHOD)
+OV=$(.venv/bin/python -c "from megatron_stare.study.methods import method_overrides as m; import sys; print(' '.join(m(sys.argv[1], shared=('optimizer.lr=1e-4','trainer.prompts_per_step=8'))))" $METHOD)
 exec nice -n 10 .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_stare.train \
   --config examples/study_real_cpu.yaml model.path=$MODEL data.train_path=$DATA/train.parquet \
   data.eval_path=$DATA/test.parquet logging.dir=runs/v3/$METHOD checkpoint.dir=runs/v3/$METHOD/ckpt \

@@ -26,7 +26,7 @@ from megatron_stare.algorithms.stare import StareState
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.actor.moe_metrics import ExpertLoad, router_loss_metrics
 from megatron_stare.models.provider import build_model_stage
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_stare.config import OptimizerConfig
-from megatron_stare.parallel import ParallelLayout
+from megatron_stare.config.load import OptimizerConfig
+from megatron_stare.runtime.parallel import ParallelLayout
 
 
 def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: torch.dtype,

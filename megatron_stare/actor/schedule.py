@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.models.torch_attention import PackedRowParams
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
 #: Megatron's ``loss_func``: output tensor of the last stage -> (loss, reduced dict).

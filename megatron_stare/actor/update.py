@@ -25,7 +25,7 @@ from megatron_stare.algorithms.aggregation import MetricSums, backward_scale, se
 from megatron_stare.algorithms.config import StareConfig
 from megatron_stare.algorithms.losses import LossPlan, PolicyLoss, PolicyLossInput
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_stare.config_fields import ConfigError, check_fields, num
+from megatron_stare.config.fields import ConfigError, check_fields, num
 
 SELECTION_SCOPES = ("global", "microbatch")
 SEED_MAX = 2**32 - 1

@@ -94,7 +94,7 @@ def prepare(s: DemoSettings) -> dict:
 
 
 def trainer_overrides(s: DemoSettings, method: str, target: float, log_dir: Path) -> List[str]:
-    from megatron_stare.demo.study_methods import method_overrides
+    from megatron_stare.study.methods import method_overrides
 
     out = Path(s.out)
     ov = ["parallel.tp=2", f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
@@ -139,7 +139,7 @@ def run_rl(label: str, config: Path, overrides: Sequence[str], log_dir: Path, st
 
 def _last_eval(rows: Sequence[dict], kind: str) -> float:
     """The last held-out ``eval/<kind>@k`` (``avg`` or ``pass``, k the run's samples per problem), or nan."""
-    from megatron_stare.metrics import held_out_k
+    from megatron_stare.trainer.metrics import held_out_k
 
     key = f"eval/{kind}@{held_out_k(rows)}"
     return next((float(r[key]) for r in reversed(rows) if key in r), math.nan)
@@ -151,7 +151,7 @@ def summarize(rows: Sequence[dict], target: float) -> dict:
     the last evaluation ('pass@1' / 'pass@8' keep the tiny demo's names for avg@k / pass@k).
     'After gate' = from the first step whose entropy is below the target (the STARE gate's first
     firing) to the end."""
-    from megatron_stare.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
+    from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
 
     ent = [float(r[ENTROPY]) for r in rows]
     acc = [float(r[ACCURACY]) for r in rows]
@@ -215,8 +215,8 @@ def run_real(s: DemoSettings) -> dict:
     its first step's entropy, the start's (both runs sample the same responses there), sets
     STARE's target."""
     from megatron_stare.demo import real_demo
-    from megatron_stare.demo.study_methods import method_overrides
-    from megatron_stare.metrics import ENTROPY, read_metrics
+    from megatron_stare.study.methods import method_overrides
+    from megatron_stare.trainer.metrics import ENTROPY, read_metrics
 
     t0 = time.perf_counter()
     out = Path(s.out)
@@ -246,7 +246,7 @@ def run_real(s: DemoSettings) -> dict:
 
 def finish(s: DemoSettings, start: dict, paths: Dict[str, Path], target: float, t0: float) -> dict:
     """The figure, the summary file and the side-by-side table."""
-    from megatron_stare.metrics import held_out_k, plot_runs, read_metrics
+    from megatron_stare.trainer.metrics import held_out_k, plot_runs, read_metrics
 
     png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
                     target_entropy=(BAND[0] * target, BAND[1] * target))

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_stare.metrics import format_duration
+from megatron_stare.trainer.metrics import format_duration
 from megatron_stare.rewards.synthetic import exact_match
 
 Row = Dict[str, str]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megatron_stare.demo.study_tasks import TASKS, StudyTask
+from megatron_stare.study.tasks import TASKS, StudyTask
 
 TASK = TASKS["pick_sum"].kwargs
 """``pick_sum``: 6 distinct digits offered, pick 2 that sum to N; >= 2 unordered pairs do."""
@@ -64,7 +64,7 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
             return prompt + target, [-100] * len(prompt) + target
     measure = measure_policy
     if task.kv_cache:
-        from megatron_stare.demo.study_validate import measure_policy_kv as measure
+        from megatron_stare.study.validate import measure_policy_kv as measure
     train_sft(str(base), str(d / "sft"), sft_rows, probe, cfg, seed=seed, log=log, score_fn=score, encode=encode,
               probe=lambda model, tok, rows, seed, samples=1: measure(model, tok, rows, seed=seed, max_new_tokens=mnt,
                                                                       score_fn=score, samples_per_prompt=samples))

@@ -1,5 +1,5 @@
 """Sizes of a Llama-like decoder: parameter counts from an HF config and the activation bytes a
-transformer layer saves for backward (used by the dry-run planner, ``megatron_stare.plan``)."""
+transformer layer saves for backward (used by the dry-run planner, ``megatron_stare.plan.planner``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_stare.preemption import StepInterrupted
+from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.rewards.pool import RewardPool
 from megatron_stare.rewards.registry import RewardError
 

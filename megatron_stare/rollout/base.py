@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 from torch import Tensor
 
-from ..weight_sync import TensorChecksum, assemble
-from .phases import EngineMemory
+from megatron_stare.weight_sync import TensorChecksum, assemble
+from megatron_stare.trainer.phases import EngineMemory
 
 if TYPE_CHECKING:
-    from .spec import EngineSpec
+    from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
            "register_engine", "sample_seed"]

@@ -26,8 +26,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import GenerationResult
-from .vllm_fleet import EngineLost, PartialGeneration, VLLMServerFleet
+from megatron_stare.rollout.base import GenerationResult
+from megatron_stare.rollout.vllm_fleet import EngineLost, PartialGeneration, VLLMServerFleet
 
 __all__ = ["Agreement", "EngineRecovery"]
 

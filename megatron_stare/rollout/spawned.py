@@ -30,9 +30,9 @@ import urllib.error
 import urllib.request
 from typing import Dict, Mapping, Sequence
 
-from ..console import CONSOLE_ONLY_ENV
-from .http import EngineFailure
-from .server_guard import guarded
+from megatron_stare.trainer.console import CONSOLE_ONLY_ENV
+from megatron_stare.rollout.http import EngineFailure
+from megatron_stare.rollout.server_guard import guarded
 
 __all__ = ["SpawnedServer", "TORCHRUN_VARS", "end_group", "server_environ"]
 

@@ -39,11 +39,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple
 
-from megatron_stare.config_fields import ConfigError
+from megatron_stare.config.fields import ConfigError
 from megatron_stare.rollout import vllm_cpu
 
 if TYPE_CHECKING:
-    from megatron_stare.config_sections import Config
+    from megatron_stare.config.sections import Config
 
 __all__ = ["DRIVER", "ENGINE_TRAITS", "EngineDevices", "EngineSpec", "EngineTraits", "EngineWorld", "RecoveryLimits",
            "SamplingDefaults"]

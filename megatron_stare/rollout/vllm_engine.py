@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UserError
-from ..preemption import StepInterrupted
-from ..weight_sync import TensorChecksum
-from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+from megatron_stare.errors import UserError
+from megatron_stare.runtime.preemption import StepInterrupted
+from megatron_stare.weight_sync import TensorChecksum
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
-from . import vllm_cpu
-from .routed_experts import capture_unavailable, moe_layers, to_result_layout
-from .spec import EngineSpec
+from megatron_stare.rollout import vllm_cpu
+from megatron_stare.rollout.routed_experts import capture_unavailable, moe_layers, to_result_layout
+from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "from_vllm_output", "llm_kwargs", "to_vllm_sampling_params"]
 

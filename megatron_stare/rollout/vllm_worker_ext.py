@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..weight_sync import ProcessGroupReceiver, TensorChecksum, tensor_checksum
+from megatron_stare.weight_sync import ProcessGroupReceiver, TensorChecksum, tensor_checksum
 
 log = logging.getLogger(__name__)
 

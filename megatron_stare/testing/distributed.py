@@ -25,7 +25,7 @@ from typing import Any, Callable, List
 
 import torch.multiprocessing as mp
 
-from megatron_stare.rendezvous import free_port
+from megatron_stare.runtime.rendezvous import free_port
 
 __all__ = ["free_port", "run_on_ranks"]
 

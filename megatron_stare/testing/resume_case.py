@@ -30,7 +30,7 @@ from megatron_stare.testing.optimizer_state import gather_optimizer_state
 
 
 def _train_steps(actor, controller, first: int, last: int, root: Optional[Path], save_at: int, record: dict):
-    from megatron_stare.checkpoint import save_checkpoint
+    from megatron_stare.checkpoint.core import save_checkpoint
 
     for step in range(first, last):
         batches = actor.prepare(synthetic_samples(seed=step))
@@ -47,7 +47,7 @@ def _train_steps(actor, controller, first: int, last: int, root: Optional[Path],
 
 
 def _break(kind: Optional[str]) -> None:
-    from megatron_stare.models import dist_ckpt
+    from megatron_stare.checkpoint import dist_ckpt
 
     if kind == "param_state":
         request = dist_ckpt._optimizer_sharded_state_dict
@@ -78,7 +78,7 @@ def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1
     optimizer's kernel (``optimizer.fused_adam``); ``record["adam_kernels"]``: the torch Adam
     param groups' (fused, foreach) flags at the end."""
     from megatron_stare.actor.optim import torch_adams
-    from megatron_stare.checkpoint import latest_complete, load_checkpoint
+    from megatron_stare.checkpoint.core import latest_complete, load_checkpoint
 
     groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer, ep=ep)
     spec = MOE_SPEC if moe else TINY_SPEC

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from .transport import ProcessGroupSender, SyncStats
+from megatron_stare.weight_sync.transport import ProcessGroupSender, SyncStats
 
 __all__ = ["PeerCalls", "form_group", "free_port", "init_named_weight_group", "push_to_group", "route_address"]
 

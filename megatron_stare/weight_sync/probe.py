@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..types import Sample
+from megatron_stare.types import Sample
 
 __all__ = ["BOUNDS", "MismatchWatch", "ProbeGap", "SyncCheckError", "SyncProbe", "bound_for", "probe_gap", "probe_prompts",
            "sample_sources"]
@@ -139,7 +139,7 @@ class SyncProbe:
         return k == 0 or (self.every > 0 and k % self.every == 0)
 
     def sampling(self):
-        from ..rollout.base import SamplingParams
+        from megatron_stare.rollout.base import SamplingParams
 
         return SamplingParams(n=1, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                               ignore_eos=True, seed=PROBE_SEED)
@@ -169,7 +169,7 @@ class SyncProbe:
 def sample_sources(n: int, devices, engine) -> List[str]:
     """Who generated each of ``n`` probe samples, for the check's line: the engine replica
     (``replica_slice``'s dealing) or the attached / spawned server; "" when there is one engine."""
-    from ..rollout.data_parallel import replica_slice
+    from megatron_stare.rollout.data_parallel import replica_slice
 
     if devices.replicas > 1:
         where = [""] * n
@@ -191,7 +191,7 @@ def probe_gap(actor, samples: Sequence[Sample], groups) -> ProbeGap:
     """The trainer's log-probs of ``samples`` (every rank; collective over the whole model) and
     their gap to the engine's, per sample: sums and counts all-reduced over the data x context
     parallel group (each token is on exactly one rank of it), maxima likewise."""
-    from ..actor.logprob_pass import fill_old_logprobs
+    from megatron_stare.actor.logprob_pass import fill_old_logprobs
 
     batches = actor.prepare(list(samples))
     fill_old_logprobs(actor.model, None, batches, actor.kernel, groups, sensitivity=False, replay=None)

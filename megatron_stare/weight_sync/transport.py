@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import wire
-from .bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
+from megatron_stare.weight_sync import wire
+from megatron_stare.weight_sync.bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
 
 __all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender", "SyncStats"]
 

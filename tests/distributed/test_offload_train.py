@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _run(rank, world, assets: Path, offload: str):
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config, validate_config
     from megatron_stare.testing.actor_case import gather_full_model
     from megatron_stare.train import Trainer
 
@@ -37,7 +37,7 @@ def _run(rank, world, assets: Path, offload: str):
 
     tr.generate = generate
     try:
-        from megatron_stare.offload import first_sync
+        from megatron_stare.trainer.offload import first_sync
 
         first_sync(tr)
         for s in range(2):

@@ -20,10 +20,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _case(rank, world, root):
-    from megatron_stare.async_save import BackgroundSaves
-    from megatron_stare.checkpoint import save_checkpoint
-    from megatron_stare.models import dist_ckpt, optimizer_dp1
-    from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
+    from megatron_stare.checkpoint.async_save import BackgroundSaves
+    from megatron_stare.checkpoint.core import save_checkpoint
+    from megatron_stare.checkpoint import dist_ckpt
+    from megatron_stare.checkpoint import optimizer_dp1
+    from megatron_stare.checkpoint.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
 
     root = Path(root)

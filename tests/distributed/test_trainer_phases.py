@@ -39,7 +39,7 @@ def _overrides(assets: Path, engine: str):
 
 def _steps(rank, world, assets: Path, engine: str, steps: int):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config, validate_config
     from megatron_stare.rewards.sharded import shard_of
     from megatron_stare.testing.rewards import parity_reward
     from megatron_stare.train import Trainer

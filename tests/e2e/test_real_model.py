@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 
 from .harness import ROOT, VLLM_ENV, _finish, _popen
 

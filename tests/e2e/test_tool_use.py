@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 from tests.e2e.harness import _comparable, _finish, _popen
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from megatron_stare.checkpoint_writer import HASH_SUFFIX, HashingFile, written_sha256
+from megatron_stare.checkpoint.writer import HASH_SUFFIX, HashingFile, written_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The console (``megatron_stare/console.py``): line formats, the ETA, warning collapsing, the
+"""The console (``megatron_stare/trainer/console.py``): line formats, the ETA, warning collapsing, the
 start-up summary, and the already-complete check of a finished run's checkpoints."""
 
 import io
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_stare.checkpoint import finished_checkpoint
-from megatron_stare.checkpoint_manifest import write_manifest
-from megatron_stare.config import Config
-from megatron_stare.console import Console, adopt_library_loggers
-from megatron_stare.console_lines import WIDTH, RunSummary, eval_line, seconds, step_line, warning_line
+from megatron_stare.checkpoint.core import finished_checkpoint
+from megatron_stare.checkpoint.manifest import write_manifest
+from megatron_stare.config.load import Config
+from megatron_stare.trainer.console import Console, adopt_library_loggers
+from megatron_stare.trainer.console_lines import WIDTH, RunSummary, eval_line, seconds, step_line, warning_line
 
 FULL = {"time/generate": 28.14, "time/gather": 0.01, "time/score": 0.21, "time/release": 0.5, "time/train": 3.1,
         "time/logprob": 1.0, "time/update": 2.1, "time/resume_w": 0.3, "time/sync": 0.4, "time/resume_kv": 0.2,

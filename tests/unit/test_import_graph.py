@@ -102,8 +102,8 @@ def _describe(cycle: List[str], graph) -> str:
 def test_graph_is_built_from_real_imports():
     """Guards for the builder itself: it sees function-level, relative and from-imports."""
     g = import_graph()
-    assert "megatron_stare.config_checks" in g["megatron_stare.config"]           # module level
-    assert "megatron_stare.parallel" in g["megatron_stare.config_checks"]         # inside a function
+    assert "megatron_stare.config.checks" in g["megatron_stare.config.load"]           # module level
+    assert "megatron_stare.runtime.parallel" in g["megatron_stare.config.checks"]         # inside a function
     assert "megatron_stare.rollout.base" in g["megatron_stare.rollout.hf_engine"]  # from .base import
     assert "megatron_stare.rollout.hf_engine" in g["megatron_stare.rollout"]      # from . import hf_engine
     assert "megatron_stare.models.tiny" in g["megatron_stare.demo.warm_start"]
@@ -126,7 +126,7 @@ def test_production_never_imports_the_test_helpers():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["megatron_stare.config", "megatron_stare.rendezvous",
+@pytest.mark.parametrize("module", ["megatron_stare.config.load", "megatron_stare.runtime.rendezvous",
                                     "megatron_stare.rewards"])
 def test_light_modules_do_not_import_torch(module):
     """The config (and the launch preflight, and reward workers) must stay light: no torch, no losses."""
@@ -140,9 +140,9 @@ def test_light_modules_do_not_import_torch(module):
 def test_cycle_report_names_the_modules():
     """Proof the check bites: a graph with the old config <-> config_checks cycle is reported."""
     graph: Dict[str, Dict[str, int]] = {m: dict(e) for m, e in import_graph().items()}
-    graph["megatron_stare.config_checks"]["megatron_stare.config"] = 1
+    graph["megatron_stare.config.checks"]["megatron_stare.config.load"] = 1
     cycle = find_cycle(graph)
-    assert cycle is not None and {"megatron_stare.config", "megatron_stare.config_checks"} <= set(cycle)
+    assert cycle is not None and {"megatron_stare.config.load", "megatron_stare.config.checks"} <= set(cycle)
     text = _describe(cycle, graph)
-    assert "megatron_stare.config_checks (line 1) -> megatron_stare.config" in text
+    assert "megatron_stare.config.checks (line 1) -> megatron_stare.config.load" in text
 

@@ -40,7 +40,7 @@ def test_every_other_reader_keeps_the_pass(knobs, words):
 
 
 def test_a_bad_mode_is_refused_naming_the_field():
-    from megatron_stare.config import load_config
+    from megatron_stare.config.load import load_config
 
     assert load_config(overrides=["trainer.logprob_pass=always"]).trainer.logprob_pass == "always"
     with pytest.raises(ValueError, match="trainer.logprob_pass"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config
-from megatron_stare.plan import GiB, estimate_memory, param_counts
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.plan.planner import GiB, estimate_memory, param_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = json.loads((ROOT / "examples" / "configs" / "qwen3-30b-a3b.json").read_text())

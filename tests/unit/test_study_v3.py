@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from megatron_stare.config import load_config, validate_config
-from megatron_stare.demo import study_results as sr
-from megatron_stare.demo import study_v3 as v3
+from megatron_stare.config.load import load_config, validate_config
+from megatron_stare.study import results as sr
+from megatron_stare.study import v3
 
 
 @pytest.mark.parametrize("method", v3.METHODS)

@@ -217,7 +217,7 @@ def test_engines_and_exports_use_only_the_packages_public_api():
     """Rollout engines and the exports move weights only through ``megatron_stare.weight_sync``'s
     public names: no submodule imports, no underscore names from other modules, no collectives
     of their own."""
-    scoped = ("megatron_stare/rollout/", "megatron_stare/models/export.py", "megatron_stare/models/hf_export.py",
+    scoped = ("megatron_stare/rollout/", "megatron_stare/weight_sync/export.py", "megatron_stare/weight_sync/hf_export.py",
               "checkpoints_convert/")
     offenders = []
     for rel, tree in _sources():
@@ -240,7 +240,7 @@ def test_engines_and_exports_use_only_the_packages_public_api():
 def test_adjacent_row_pieces_of_one_tensor_are_sent_as_one_entry():
     """The piece export joins back-to-back full-width row pieces (a dim-0 split's ranks) into one
     entry, and one that covers its tensor becomes whole (a view for the receiver, no join)."""
-    from megatron_stare.models.export_pieces import _merged
+    from megatron_stare.weight_sync.export_pieces import _merged
 
     def piece(name, rows, r0, off, full=(4, 8), cols=(8, 0)):
         return TensorMeta(name, "float32", (rows, cols[0]), off, rows * cols[0] * 4, full, (r0, cols[1]))

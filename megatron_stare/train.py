@@ -4,7 +4,7 @@ Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare
 a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
 parallel plan and a per-GPU memory estimate without touching a GPU.
 
-One step reads like the algorithm, phase by phase (``rollout/phases.py``, which the dry-run
+One step reads like the algorithm, phase by phase (``trainer/phases.py``, which the dry-run
 planner's memory model reads too):
 
     1 generate     the engine: n responses per prompt          each replica its slice (spec.py)

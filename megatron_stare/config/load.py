@@ -167,7 +167,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        data = read_yaml(path) or {}  # UTF-8, no key twice (config_yaml.py)
+        data = read_yaml(path) or {}  # UTF-8, no key twice (config/yaml_io.py)
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return from_dict(Config, apply_overrides(data, overrides))

@@ -1,7 +1,7 @@
 """The dry-run planner's types and its table of what is resident when: the constants it assumes
 (``Assumptions``), the parallel plan (``PlanLayout``), the per-phase memory of one GPU
 (``MemoryPlan``, with its printed lines) and which component is resident in which phase of the
-step (``rollout/phases.py``; offloaded state leaves the phases ``trainer.offload`` moves it out
+step (``trainer/phases.py``; offloaded state leaves the phases ``trainer.offload`` moves it out
 of). ``plan.py`` computes the numbers; this module holds what they mean."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron_stare.trainer.phases import EngineMemory, Phase
 
 GiB = float(2**30)
 PHASES = tuple(p.name for p in STEP_PHASES)
-"""The step's phases, in order (``rollout/phases.py``): the columns of the memory table."""
+"""The step's phases, in order (``trainer/phases.py``): the columns of the memory table."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Assumptions:
     of a colocated SGLang engine's TP ranks but the first maps the weight buckets on its group
     leader's GPU (``rollout/sglang_engine.py``), and keeps that context for its life."""
     moe_imbalance: float = 1.5
-    """Mixture of experts: the busiest rank's routed tokens over the mean (``plan_moe.py``)."""
+    """Mixture of experts: the busiest rank's routed tokens over the mean (``plan/moe.py``)."""
 
 
 @dataclass
@@ -97,7 +97,7 @@ class PlanLayout:
     offload: Optional[OffloadPlan] = None
     """What ``trainer.offload`` frees while a colocated engine generates (None: no such engine)."""
     sync_staging: SyncStaging = field(default_factory=SyncStaging)
-    """The sync's staging on a rank of the planned stage, bytes by part (``plan_sync.py``)."""
+    """The sync's staging on a rank of the planned stage, bytes by part (``plan/sync.py``)."""
     recompute_note: str = ""
     """Why ``parallel.recompute=auto`` chose what it chose, or what it would choose instead of 'full'."""
     first_sync_gib: float = 0.0
@@ -184,7 +184,7 @@ class MemoryPlan:
     ipc_contexts_gib: float = 0.0
     """Colocated SGLang at TP > 1, on its group leader's GPU: ``(tp - 1) * ipc_context_gib``."""
     moe: Optional[MoEPlan] = None
-    """The mixture-of-experts terms (``plan_moe.py``); None for a dense model."""
+    """The mixture-of-experts terms (``plan/moe.py``); None for a dense model."""
 
     def rows(self) -> List[tuple]:
         """(label, {phase: GiB}) for each component, in table order."""

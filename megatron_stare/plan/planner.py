@@ -39,7 +39,7 @@ The memory model (per GPU, in GiB; ``--gpu-mem-gb`` is taken as GiB: an "80 GB" 
   ``hf`` is one full model copy with the KV for the whole batch; a server attached through
   ``rollout.server_urls`` runs on GPUs of its own and costs nothing here.
 
-Phases: the step's phases and what each holds come from ``rollout/phases.py``, the list the
+Phases: the step's phases and what each holds come from ``trainer/phases.py``, the list the
 training loop runs: an engine on the trainer's GPUs holds its weights, KV cache and workspace
 while awake (generate, gather, score, resume_kv), releases them for the trainer's turn (release,
 train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
@@ -160,7 +160,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
     n_micro = math.ceil(math.ceil(responses / dp) / per_micro)
 
     kv_dim = spec.num_query_groups * hd
-    # Mixture of experts (plan_moe.py): this rank's tokens of the step carry their routes.
+    # Mixture of experts (plan/moe.py): this rank's tokens of the step carry their routes.
     moe = None if spec.moe is None else plan_moe(
         spec, counts, cfg, world_size, s_local, t.prompts_per_step * r.n * max_seq / (dp * cp), a.moe_imbalance)
     layer_full = layer_activation_bytes(
@@ -198,7 +198,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
     shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
                   engine_asleep_gib=eng_sleep, ipc_contexts_gib=ipc,
                   runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
-    # The sync's staging by rank role (plan_sync.py): the whole-tensor export to a colocated
+    # The sync's staging by rank role (plan/sync.py): the whole-tensor export to a colocated
     # engine on every rank, else the piece export's collector.
     staging = {i: sync_staging(stage=i, pp=pp, tp=tp, bucket=r.sync_bucket_mb * 2.0 ** 20, esize=wbytes,
                                colocated=traits.colocated, hidden=h, ffn=spec.ffn_hidden_size,

@@ -5,7 +5,7 @@ Bytes: a checkpoint holds the bf16 (or fp32) weights plus the fp32 main params a
 moments (12 bytes a parameter): 14 bytes a parameter in bf16 training, 61 + 366 GiB at 32B.
 Every rank writes its share (the fully-parallel save splits replicas over DP x CP), so the
 time is the bytes over the nodes' aggregate write bandwidth, plus the manifest's SHA-256 pass
-(``checkpoint_manifest.py``: a re-read at about 0.7x the write time).
+(``checkpoint/manifest.py``: a re-read at about 0.7x the write time).
 
 ``NODE_WRITE_GIBPS`` is an assumption (a parallel file system's per-node share), not a
 measurement on the target cluster; ``plan.py`` prints the estimate so that it can be compared.

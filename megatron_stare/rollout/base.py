@@ -25,7 +25,7 @@ Preemption inside a step (``step_interrupt.py``): ``generate`` asks ``interrupte
 decode steps (or while it waits on a server) and, once it is True, ends its requests and raises
 ``preemption.StepInterrupted``.
 
-Memory phases (``rollout/phases.py``): ``release_memory()`` (step phase 4), then
+Memory phases (``trainer/phases.py``): ``release_memory()`` (step phase 4), then
 ``resume_weights()`` (6), the weight sync (7), ``resume_kv_cache()`` (8). The base class
 enforces that order (``memory``: AWAKE -> RELEASED -> WEIGHTS -> AWAKE), refuses ``generate``
 unless AWAKE and weight updates unless the weights are resident. An engine that cannot free

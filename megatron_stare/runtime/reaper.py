@@ -1,7 +1,7 @@
 """No process outlives its rank: a watchdog that ends what a rank started, however the rank dies.
 
 A rank starts helper processes it does not fully control: megatron-core's checkpoint-writer
-Manager (a ``multiprocessing`` server it keeps for the process's life, ``models/dist_ckpt.py``),
+Manager (a ``multiprocessing`` server it keeps for the process's life, ``checkpoint/dist_ckpt.py``),
 the ``multiprocessing`` resource tracker, reward workers (``rewards/pool.py``) and engine servers
 (``rollout/vllm_server.py``, in a session of their own). On a clean exit each is ended by its
 owner; a rank that dies of SIGKILL (the OOM killer, torchrun's kill after its shutdown timeout)

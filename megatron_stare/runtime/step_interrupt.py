@@ -2,7 +2,7 @@
 
 The trainer's state at the start of a step (weights, optimizer, sampler, controller, RNG, the
 batches in flight) is unchanged until the step's first optimizer update (phase ``train``). So a
-preemption signal during ``generate`` or ``score`` (``rollout/phases.py``) need not wait for the
+preemption signal during ``generate`` or ``score`` (``trainer/phases.py``) need not wait for the
 step to end: the engines stop (``RolloutEngine.interrupted``: the hf engine between decode steps,
 the colocated vLLM between engine steps by aborting its requests, its TP ranks agreeing on the
 step; the server engines, the colocated ``sglang`` one included, by aborting theirs over HTTP),

@@ -1,4 +1,4 @@
-"""The DP1 distributed-optimizer save without megatron-core's gather (``models/optimizer_dp1.py``),
+"""The DP1 distributed-optimizer save without megatron-core's gather (``checkpoint/optimizer_dp1.py``),
 at 2 gloo ranks, TP2 DP1, bf16 with the distributed optimizer:
 
 - the fast path is taken on every rank (and only for saving);

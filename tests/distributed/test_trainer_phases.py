@@ -2,7 +2,7 @@
 engine on the driver, colocated vLLM-CPU on both ranks, or a vLLM-CPU server the driver spawns),
 through ``Trainer.step`` itself:
 
-- the phases run in the order of ``rollout/phases.py``, and the engine sees them through its own
+- the phases run in the order of ``trainer/phases.py``, and the engine sees them through its own
   API (vLLM's sleeping state included): release, resume weights, sync, resume KV cache;
 - after every sync the engine holds the trainer's weights (``rollout.verify_sync``: checksums);
 - engine log-probs equal the trainer's at temperature 0.7 (``mismatch/*`` metrics);

@@ -1,4 +1,4 @@
-"""The checkpoint-writer processes (``checkpoint_writer.py``): a file hashed as written (its
+"""The checkpoint-writer processes (``checkpoint/writer.py``): a file hashed as written (its
 sidecar digest is the file's SHA-256; a seek or a size mismatch means no digest), and a forked
 writer and its own forked worker ignore the preemption signals and die with the rank."""
 

@@ -172,7 +172,7 @@ def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
 
 
 def test_plan_phases_are_the_training_loops():
-    """One phase list (rollout/phases.py) for the loop and the planner; each phase holds what
+    """One phase list (trainer/phases.py) for the loop and the planner; each phase holds what
     the engine holds then: everything while awake, a residue while released, the weights again
     from resume_w (plus one bucket in sync), everything from resume_kv."""
     from megatron_stare.plan.planner import PHASES
@@ -241,7 +241,7 @@ def test_offload_line_32b_and_7b_by_hand():
 
 
 def test_sync_staging_by_role_and_first_sync_by_hand():
-    """The sync's staging (plan_sync.py) on the planned stage, by hand from what the export
+    """The sync's staging (plan/sync.py) on the planned stage, by hand from what the export
     allocates: the TP-gather scratch (the stage's largest full tensor), the concatenation
     scratch (the GLU fc1, full), two own staging slots (a bucket and the largest HF tensor when
     it exceeds one) and, with PP, two slots for the other stages' buckets; the first sync adds

@@ -1,4 +1,4 @@
-"""The dry-run planner on Qwen3-30B-A3B (``plan_moe.py``): expert weights at 1/ep of the routed
+"""The dry-run planner on Qwen3-30B-A3B (``plan/moe.py``): expert weights at 1/ep of the routed
 experts, their optimizer state over expert-data-parallel, the dispatcher's buffers and the
 routing-replay tensors, against hand-computed values; offload counts the experts' state."""
 

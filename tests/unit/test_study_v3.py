@@ -1,4 +1,4 @@
-"""Study v3's runner (demo/study_v3.py): every method's overrides make a valid config, a run's key
+"""Study v3's runner (study/v3.py): every method's overrides make a valid config, a run's key
 names all that defines it, recorded runs are not run again, a finished run directory is recorded
 without rerunning it, and the report is built from the recorded files alone."""
 

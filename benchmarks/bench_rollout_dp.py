@@ -80,7 +80,7 @@ def _sync(rank, world, model_dir):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     import torch.distributed as dist
 
-    from megatron_stare.weight_sync import sharding
+    from megatron_stare.models import sharding
     from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
     from megatron_stare.runtime.parallel import ParallelLayout, init_distributed

@@ -119,7 +119,7 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     all_stage = [torch.zeros_like(stage_bytes) for _ in range(world)]
     dist.all_gather(all_stage, stage_bytes)
     total = int(sum(int(t) for t in all_stage))
-    from megatron_stare.weight_sync.sharding import local_params
+    from megatron_stare.models.sharding import local_params
     shard = sum(p.numel() * p.element_size() for _, _, p in local_params(model)
                 if tp > 1 and getattr(p, "tensor_model_parallel", False))
     pp_ranks = group_ranks(groups.pp_group) if pp > 1 else [rank]

@@ -4,7 +4,7 @@ Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare
 a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
 parallel plan and a per-GPU memory estimate without touching a GPU.
 
-One step reads like the algorithm, phase by phase (``trainer/phases.py``, which the dry-run
+One step reads like the algorithm, phase by phase (``runtime/phases.py``, which the dry-run
 planner's memory model reads too):
 
     1 generate     the engine: n responses per prompt          each replica its slice (spec.py)
@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.checkpoint.async_save import BackgroundSaves, save_run
-from megatron_stare.config.load import Config, ConfigError, load_config, validate_config
+from megatron_stare.config.load import Config, ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.trainer.console import Console, console_of
 from megatron_stare.errors import UserError
 from megatron_stare.trainer.generation import RanDry
@@ -56,14 +57,14 @@ from megatron_stare.trainer.offload import Offloader, first_sync, trainer_turn
 from megatron_stare.runtime.preemption import Preemption, interrupted_again, leave, write_status
 from megatron_stare.runtime.reaper import install as install_reaper
 from megatron_stare.run import note_engine
-from megatron_stare.trainer.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
+from megatron_stare.runtime.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.rollout.vllm_fleet import EngineLost
 from megatron_stare.checkpoint.schedule import SaveClock
-from megatron_stare.runtime.step_interrupt import StepInterrupts
-from megatron_stare.weight_sync.probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
+from megatron_stare.trainer.step_interrupt import StepInterrupts
+from megatron_stare.trainer.sync_probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
 
 
 class Trainer:
@@ -433,7 +434,7 @@ class Trainer:
     def probe_engine(self, version: int) -> None:
         """After the sync that installed policy ``version`` (engine awake): when due, the engine
         generates the probe and the trainer scores it, now if its weights are on the device,
-        else at the next onload (``weight_sync/probe.py``)."""
+        else at the next onload (``trainer/sync_probe.py``)."""
         if self.probe is None or not (self.probe.due(version) or self._probe_now):
             return
         self._probe_now = False

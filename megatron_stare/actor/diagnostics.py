@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.actor.loss_plans import mini_batch_input
-from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.diagnostics import entropy_dynamics
 from megatron_stare.algorithms.losses import LossPlan, MiniBatchInput
 from megatron_stare.algorithms.stare import stare_weights

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.actor.routing_replay import real_tokens
-from megatron_stare.weight_sync.sharding import unwrap
+from megatron_stare.models.sharding import unwrap
 from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 

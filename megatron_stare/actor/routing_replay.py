@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.models.gpt import GPTSpec
-from megatron_stare.weight_sync.sharding import unwrap
+from megatron_stare.models.sharding import unwrap
 from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
 

@@ -7,7 +7,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection
 from megatron_stare.config.load import OptimizerConfig, ParallelConfig
 from megatron_stare.runtime.parallel import ParallelGroups

@@ -30,7 +30,7 @@ from torch import Tensor
 from megatron_stare.algorithms import cov as cov_ops
 from megatron_stare.algorithms.aggregation import (AGG_MODES, LossDenominators, MetricSums, aggregate,
                                                    compute_loss_denominators)
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.kl import kl_penalty, resolve_kl_type
 from megatron_stare.algorithms.off_policy import sequence_sums
 from megatron_stare.config.fields import ConfigError

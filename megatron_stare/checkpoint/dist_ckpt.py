@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron_stare.checkpoint import writer as checkpoint_writer
 from megatron_stare.checkpoint import optimizer_dp1
 from megatron_stare.models.gpt import GPTSpec, MoESpec
-from megatron_stare.weight_sync.sharding import unwrap
+from megatron_stare.models.sharding import unwrap
 from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.runtime.preemption import PREEMPTION_SIGNALS
 

@@ -1,3 +1,4 @@
-"""Run configuration: the typed sections, their field ranges, YAML loading with overrides, the checks, and the preflight of a run's inputs.
+"""Run configuration: the typed sections, their field ranges, YAML loading with overrides (``load``). The checks of a loaded config and of the run's
+inputs are ``megatron_stare.preflight``'s.
 
-``python -m megatron_stare.config --config X.yaml [a.b=c ...]`` prints the resolved config (``load.main``); it loads no torch."""
+``python -m megatron_stare.config --config X.yaml [a.b=c ...]`` prints the resolved config (``megatron_stare.preflight.cli``); it loads no torch."""

@@ -1,7 +1,7 @@
 """The building blocks of the typed config: ``ConfigError`` and declarative numeric ranges.
 
 Every numeric field of the config dataclasses (``megatron_stare.config.load``,
-``megatron_stare.algorithms.config``) is declared with ``num(default, ge=..., gt=..., le=...,
+``megatron_stare.config.algorithm``) is declared with ``num(default, ge=..., gt=..., le=...,
 lt=...)``, which stores a ``Range`` in the field's metadata; its docstring states the same range
 (``Range.text()``, a test keeps the two in step). ``check_fields(obj, prefix)`` is the one
 generic checker: it walks a config dataclass and its sections and checks each numeric field's
@@ -10,7 +10,7 @@ type and range, raising one ``ConfigError`` line that names the field and the al
     config: algorithm.stare.w must be >= 1 (W amplifies the selected A>0 tokens; ...), got 0.9
 
 Cross-field consistency lives next to the sections (``validate()`` of the algorithm sections)
-and in ``megatron_stare.config.checks``. This module imports nothing from the project, so every
+and in ``megatron_stare.preflight.checks``. This module imports nothing from the project, so every
 config module can import it downward (and ``ConfigError`` is one class even when
 ``megatron_stare.config.load`` runs as ``__main__``).
 """

@@ -2,7 +2,7 @@
 
 The sections are in ``config_sections`` (every numeric field with its range), the checks in
 ``config_checks``. ``load_config(path, overrides)`` builds a ``Config`` and checks every key
-and type; then ``validate_config(cfg, world_size)`` checks ranges and the consistency between
+and type; then ``validate_config(cfg, world_size)`` (``megatron_stare.preflight.checks``) checks ranges and the consistency between
 fields (parallel degrees against the world size and the model's shape, lengths, paths that
 must exist, features that need CUDA); ``resolve_config`` does both, for the trainer, this CLI
 and the dry-run planner alike. Both run before any process group exists, and every problem is
@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
 import typing
 from typing import Any, Dict, List, Literal, Optional, Sequence
 
 import yaml
 
-from megatron_stare.algorithms.config import AlgorithmConfig
-from megatron_stare.config.checks import check_config
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.config.fields import ConfigError
 from megatron_stare.config.yaml_io import read_yaml
 from megatron_stare.config.sections import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
@@ -37,7 +35,7 @@ from megatron_stare.config.sections import (CheckpointConfig, Config, DataConfig
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
-           "apply_overrides", "from_dict", "load_config", "resolve_config", "to_dict", "validate_config"]
+           "apply_overrides", "from_dict", "load_config", "to_dict"]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -175,38 +173,3 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
 
 def to_dict(cfg: Any) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-
-def validate_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
-                    check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
-    """Check values and cross-field consistency (``config_checks.check_config``); returns ``cfg``."""
-    return check_config(cfg, world_size=world_size, cuda=cuda, check_paths=check_paths, hf_config=hf_config)
-
-
-def resolve_config(path: Optional[str], overrides: Sequence[str] = (), **checks: Any) -> Config:
-    """``load_config`` then ``validate_config(**checks)``: the one path from files to a checked config."""
-    return validate_config(load_config(path, overrides), **checks)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m megatron_stare.config",
-                                 description="Print the resolved, validated config (exit 2 on an error).")
-    ap.add_argument("--config", help="YAML config file")
-    ap.add_argument("--world-size", type=int, default=None, help="ranks of the run (checks the layout)")
-    ap.add_argument("--quiet", action="store_true", help="check only; print nothing when the config is good")
-    ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
-    args = ap.parse_intermixed_args(argv)  # options may follow the a.b=c overrides
-    try:
-        cfg = resolve_config(args.config, args.overrides, world_size=args.world_size)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Every numeric field declares its range with ``num(default, ge=..., gt=..., le=..., lt=...)``
 and states it in its docstring; ``megatron_stare.config.load`` loads YAML into these classes and
-``megatron_stare.config.checks`` checks the ranges and the consistency between fields.
+``megatron_stare.preflight.checks`` checks the ranges and the consistency between fields.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from megatron_stare.algorithms.config import SEED_MAX, AlgorithmConfig
+from megatron_stare.config.algorithm import SEED_MAX, AlgorithmConfig
 from megatron_stare.config.fields import num
 
 
@@ -134,7 +134,7 @@ class RolloutConfig:
     sync_bucket_mb: int = num(512, ge=1)
     """Weight-sync bucket size in MiB, >= 1: bounds the extra memory of a sync on every rank."""
     verify_sync: Union[Literal["probe", "checksums", "off"], bool] = "probe"
-    """How a weight sync is checked (``weight_sync/probe.py``, ``checksum.py``). probe: the engine
+    """How a weight sync is checked (``trainer/sync_probe.py``, ``checksum.py``). probe: the engine
     generates a fixed chat-templated probe and the trainer scores it; their log-probs must agree
     within the dtype's bound (fp32 1e-4 mean / 1e-3 max, bf16 2e-2 / 0.5), else the run stops
     (exit 1) before training on the engine's samples. checksums: every tensor's checksum as the

@@ -80,7 +80,7 @@ def _log(msg: str) -> None:
 
 def prepare(s: DemoSettings) -> dict:
     """Build the base model, the data, and the warm start; measure H0 and the start accuracy."""
-    from megatron_stare.demo.warm_start import prepare_warm_start
+    from megatron_stare.study.warm_start import prepare_warm_start
 
     t0 = time.perf_counter()
     st = prepare_warm_start(Path(s.out), s.seed, quick=s.quick, eval_prompts=128, log=_log)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_stare.demo.sft import PolicyStats, SftSettings, train_sft
+from megatron_stare.study.sft import PolicyStats, SftSettings, train_sft
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tool_use_cpu.yaml"

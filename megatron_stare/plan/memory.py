@@ -1,7 +1,7 @@
 """The dry-run planner's types and its table of what is resident when: the constants it assumes
 (``Assumptions``), the parallel plan (``PlanLayout``), the per-phase memory of one GPU
 (``MemoryPlan``, with its printed lines) and which component is resident in which phase of the
-step (``trainer/phases.py``; offloaded state leaves the phases ``trainer.offload`` moves it out
+step (``runtime/phases.py``; offloaded state leaves the phases ``trainer.offload`` moves it out
 of). ``plan.py`` computes the numbers; this module holds what they mean."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from megatron_stare.models.sizes import ParamCounts
 from megatron_stare.plan.moe import MoEPlan
 from megatron_stare.plan.offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan.sync import SyncStaging
-from megatron_stare.trainer.phases import PHASES as STEP_PHASES
-from megatron_stare.trainer.phases import EngineMemory, Phase
+from megatron_stare.runtime.phases import PHASES as STEP_PHASES
+from megatron_stare.runtime.phases import EngineMemory, Phase
 
 GiB = float(2**30)
 PHASES = tuple(p.name for p in STEP_PHASES)
-"""The step's phases, in order (``trainer/phases.py``): the columns of the memory table."""
+"""The step's phases, in order (``runtime/phases.py``): the columns of the memory table."""
 
 
 @dataclass(frozen=True)

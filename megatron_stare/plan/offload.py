@@ -1,7 +1,7 @@
 """What ``trainer.offload`` frees while a colocated engine generates, for the planner (``plan.py``).
 
 ``OFFLOADED``: the memory plan's components each level moves off the GPU in the phases with
-``Phase.trainer_offloaded`` (``trainer/phases.py``; the moves themselves: ``offload.py``).
+``Phase.trainer_offloaded`` (``runtime/phases.py``; the moves themselves: ``offload.py``).
 ``OffloadPlan``: the freed bytes and what the engine can do with them.
 """
 

@@ -39,7 +39,7 @@ The memory model (per GPU, in GiB; ``--gpu-mem-gb`` is taken as GiB: an "80 GB" 
   ``hf`` is one full model copy with the KV for the whole batch; a server attached through
   ``rollout.server_urls`` runs on GPUs of its own and costs nothing here.
 
-Phases: the step's phases and what each holds come from ``trainer/phases.py``, the list the
+Phases: the step's phases and what each holds come from ``runtime/phases.py``, the list the
 training loop runs: an engine on the trainer's GPUs holds its weights, KV cache and workspace
 while awake (generate, gather, score, resume_kv), releases them for the trainer's turn (release,
 train: only a residue stays), and restores its weights before the weight sync (resume_w, sync)
@@ -66,14 +66,15 @@ import os
 import sys
 from typing import Optional, Sequence, Tuple
 
-from megatron_stare.config.load import Config, ConfigError, load_config, validate_config
-from megatron_stare.config.preflight import DRY_RUN_SKIPPED
+from megatron_stare.config.load import Config, ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
+from megatron_stare.preflight.inputs import DRY_RUN_SKIPPED
 from megatron_stare.models.sizes import (ParamCounts, _counts, _spec,  # noqa: F401 - re-exported
                                          layer_activation_bytes, param_counts)
 from megatron_stare.plan.moe import plan_moe
 from megatron_stare.plan.offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan.sync import sync_staging
-from megatron_stare.trainer.phases import PHASES as STEP_PHASES
+from megatron_stare.runtime.phases import PHASES as STEP_PHASES
 from megatron_stare.rollout.spec import ENGINE_TRAITS
 from megatron_stare.plan.save_estimate import estimate_save
 

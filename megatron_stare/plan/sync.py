@@ -1,6 +1,6 @@
 """What a weight sync allocates on a trainer rank, by the rank's role, for the planner (``plan.py``).
 
-Read from the export (``weight_sync/export.py``, ``weight_sync/sharding.py``, ``weight_sync/export_pieces.py``,
+Read from the export (``weight_sync/export.py``, ``models/sharding.py``, ``weight_sync/export_pieces.py``,
 ``weight_sync.StagingBuffer``):
 
 - **Colocated engine** (``dst="all"``, whole tensors; every rank yields the whole model): the TP

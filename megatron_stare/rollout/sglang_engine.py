@@ -67,7 +67,7 @@ from megatron_stare.errors import UserError
 from megatron_stare.weight_sync import free_port, iter_buckets
 from megatron_stare.rollout.base import MemoryRelease, register_engine
 from megatron_stare.rollout.http import ErrorReply
-from megatron_stare.trainer.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.rollout.sglang_server import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
 from megatron_stare.rollout.spawned import SpawnedServer
 from megatron_stare.rollout.spec import EngineSpec

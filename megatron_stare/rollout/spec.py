@@ -25,7 +25,7 @@ Placement (``ENGINE_TRAITS``), per engine:
 
 Log-probs: every engine returns the log-prob of the sampled token under the distribution it
 sampled from, ``softmax(logits / temperature)`` (see ``rollout/base.py``); the config
-refuses top-p/top-k for training rollouts (``config/checks.py``), so that distribution is the
+refuses top-p/top-k for training rollouts (``preflight/checks.py``), so that distribution is the
 one the trainer's log-prob pass computes.
 
 Memory: on GPUs an engine takes ``rollout.gpu_memory_utilization`` of each GPU; a vLLM engine

@@ -104,7 +104,7 @@ def seed_dir(s: StudySettings, seed: int) -> Path:
 
 def prepare_seed(s: StudySettings, seed: int) -> dict:
     """Base model, data, warm start and H0 of one seed (``warm_start``; cached in ``start.json``)."""
-    from megatron_stare.demo.warm_start import prepare_warm_start
+    from megatron_stare.study.warm_start import prepare_warm_start
 
     task = task_of(s)
     res = results_dir(s)
@@ -136,7 +136,7 @@ def restore_start(s: StudySettings, seed: int) -> bool:
     is rebuilt. False (nothing done) when no matching checkpoint is committed."""
     import shutil
 
-    from megatron_stare.demo.warm_start import write_task_data
+    from megatron_stare.study.warm_start import write_task_data
 
     res, d = results_dir(s), seed_dir(s, seed)
     start = sr.load_starts(res, [seed]).get(seed)

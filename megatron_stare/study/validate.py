@@ -157,7 +157,7 @@ def measure_policy_kv(model, tok, rows: Sequence[dict], *, seed: int, samples_pe
                       max_new_tokens: int, score_fn: Callable[[str, str, dict], float]):
     """``sft.measure_policy``'s numbers with a KV cache (``sample_tokens``): the warm start's probes
     for tasks with long responses (``StudyTask.kv_cache``)."""
-    from megatron_stare.demo.sft import PolicyStats
+    from megatron_stare.study.sft import PolicyStats
 
     k = samples_per_prompt
     resp = sample_tokens(model, tok, [r["prompt"] for r in rows], k, max_new_tokens=max_new_tokens, seed=seed)

@@ -20,12 +20,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_stare.algorithms.advantages import compute_advantages
-from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.config.load import OptimizerConfig, ParallelConfig
 from megatron_stare.models import moe_router
 from megatron_stare.models.gpt import GPTSpec, MoESpec, transformer_engine_error
-from megatron_stare.weight_sync.sharding import load_canonical
+from megatron_stare.models.sharding import load_canonical
 from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
 from megatron_stare.types import Sample

@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from megatron_stare.weight_sync.sharding import is_expert_param, local_params, unshard
+from megatron_stare.models.sharding import is_expert_param, local_params, unshard
 from megatron_stare.runtime.parallel import ParallelGroups
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")

@@ -23,7 +23,7 @@ import torch
 
 from megatron_stare.actor.routing_replay import RoutingReplay
 from megatron_stare.algorithms.stare import StareController
-from megatron_stare.weight_sync.sharding import unwrap
+from megatron_stare.models.sharding import unwrap
 from megatron_stare.testing.actor_case import (MOE_SPEC, actor_case_result, build_case_actor, case_groups,
                                                synthetic_routes, synthetic_samples)
 

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from megatron_stare.errors import UserError
-from megatron_stare.trainer.phases import GATHER, SCORE
+from megatron_stare.runtime.phases import GATHER, SCORE
 
 if TYPE_CHECKING:
     from megatron_stare.rollout.async_loop import Launched

@@ -43,12 +43,11 @@ from megatron_stare.checkpoint.core import finished_checkpoint
 from megatron_stare.trainer.console_lines import (PREFIX, RunSummary, eval_line, sample_records, source_of, step_line,
                                          warning_line)
 from megatron_stare.trainer.metrics import format_duration
+from megatron_stare.rollout.spawned import CONSOLE_ONLY_ENV
 from megatron_stare.runtime.preemption import PREEMPTED_EXIT_CODE
 
 THIRD_PARTY = ("transformers", "vllm", "torch", "megatron", "sglang", "accelerate", "urllib3", "datasets")
 """Libraries whose loggers' console handlers are replaced by the console's."""
-CONSOLE_ONLY_ENV: set = set()
-"""Environment variables the console set for this process only (not for the servers it spawns)."""
 _FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

@@ -16,7 +16,7 @@ PREFIX = "[megatron-stare]"
 WIDTH = 160
 """A third-party warning is cut to this many characters on the console (whole in the log file)."""
 MAIN_PHASES = ("generate", "score", "train", "sync")
-"""Step phases (``trainer/phases.py`` names) always shown; the others only when they took time."""
+"""Step phases (``runtime/phases.py`` names) always shown; the others only when they took time."""
 _MINOR = (("gather", "gather"), ("wait_generate", "wait"), ("eval", "eval"))
 _WAKE = ("release", "resume_w", "resume_kv")  # the engine's sleep and wake: shown as one time
 _SHOWN_FROM_S = 0.05

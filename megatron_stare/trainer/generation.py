@@ -1,6 +1,6 @@
 """What a step makes of generated and scored responses: samples, advantages, DAPO selection.
 
-The trainer runs step phases 1-3 (``trainer/phases.py``: generate, gather, score) and hands
+The trainer runs step phases 1-3 (``runtime/phases.py``: generate, gather, score) and hands
 each generation batch, as a ``ScoredBatch``, to a ``GroupSelector``. Every rank holds the same
 gathered responses and the same shared scores, so every rank's selector keeps the same groups
 and asks for the same number of batches: DAPO dynamic sampling cannot split the ranks, and a

@@ -15,7 +15,7 @@ per generation, ``{"step", "prompt", "response", "reward"}``, and TensorBoard te
 ``samples``; truncated on resume like the metrics.
 
 Keys the console's step line (``console_lines.step_line``) and ``plot_runs`` read (the trainer
-writes them): ``time/<phase>`` for the step's phases (``trainer/phases.py``: seconds, from ``Timer``),
+writes them): ``time/<phase>`` for the step's phases (``runtime/phases.py``: seconds, from ``Timer``),
 ``perf/tokens_per_s``, ``stare/entropy`` (global token-mean entropy H), ``stare/gate`` (1 on /
 0 off), ``reward/mean``, ``reward/accuracy``, ``response/mean_length``.
 """

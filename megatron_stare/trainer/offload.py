@@ -24,7 +24,7 @@ can take the memory; on CPU the same code path copies host to host and really fr
 original allocation. ``torch_memory_saver`` (slime, verl) is not used: this plain move needs no
 extra package and works everywhere.
 
-Phases (``trainer/phases.py``): ``offload`` after the weight sync (before the engine restores
+Phases (``runtime/phases.py``): ``offload`` after the weight sync (before the engine restores
 its KV cache), ``onload`` after the engine released its memory (before the log-prob pass).
 Outside the step (a resume, the first sync, a checkpoint save or HF export) ``trainer_turn``
 does the same: the engine releases, the state comes back for the work, the engine's weights are

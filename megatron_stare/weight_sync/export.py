@@ -57,7 +57,7 @@ import torch.distributed as dist
 from megatron_stare.weight_sync.export_pieces import ExpertPlan, find_collector, piece_buckets, stage_pieces
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.provider import mapping_for
-from megatron_stare.weight_sync.sharding import (ExpertGroups, full_shape, gather_canonical, is_expert_param, local_params,
+from megatron_stare.models.sharding import (ExpertGroups, full_shape, gather_canonical, is_expert_param, local_params,
                                             num_local_experts)
 from megatron_stare.runtime.parallel import ParallelGroups, group_ranks
 from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,

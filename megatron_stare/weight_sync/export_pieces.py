@@ -42,7 +42,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_stare.weight_sync.sharding import (expert_index, full_shape, is_expert_param, is_glu_fc1, local_params,
+from megatron_stare.models.sharding import (expert_index, full_shape, is_expert_param, is_glu_fc1, local_params,
                                             renumber_expert)
 from megatron_stare.weight_sync import FlatBucket, Pending, StagingBuffer, TensorMeta, dtype_name
 from megatron_stare.weight_sync.bucket import aligned

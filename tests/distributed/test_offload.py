@@ -88,7 +88,7 @@ def test_bad_level_is_one_line():
 
 def test_offload_needs_an_engine_between_the_trainers_phases():
     from megatron_stare.config.load import ConfigError, load_config
-    from megatron_stare.config.checks import check_config
+    from megatron_stare.preflight.checks import check_config
 
     cfg = load_config(None, ["trainer.offload=all", "rollout.engine=vllm-server",
                              "rollout.server_urls=[http://rollout:8000]"])

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 @pytest.fixture(scope="session")
 def warm_start(tmp_path_factory):
-    from megatron_stare.demo.sft import SftSettings
+    from megatron_stare.study.sft import SftSettings
     from megatron_stare.demo.tool_use import MAX_NEW_TOKENS, ToolUseSettings, prepare
 
     out = tmp_path_factory.mktemp("tool_use")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_stare.config.load import ConfigError, load_config
-from megatron_stare.config.checks import check_config
+from megatron_stare.preflight.checks import check_config
 from megatron_stare.models.gpt import resolve_attention, transformer_engine_error
 from megatron_stare.models.torch_attention import _kv_for_sdpa
 

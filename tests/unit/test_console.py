@@ -23,7 +23,7 @@ FULL = {"time/generate": 28.14, "time/gather": 0.01, "time/score": 0.21, "time/r
 
 
 def test_step_line():
-    # Every main phase (generate: the phases are named as trainer/phases.py names them), the
+    # Every main phase (generate: the phases are named as runtime/phases.py names them), the
     # engine's sleep and wake summed (0.5 + 0.3 + 0.2), a 10 ms gather left out.
     assert step_line(12, 100, FULL, eta_s=252.4, target_entropy=0.3) == (
         "step 12/100, eta 4m12s | generate 28.1s score 0.2s train 3.1s sync 0.4s wake 1.0s | "

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megatron_stare.config.load import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineSpec, EngineWorld
 
 BASE = ["model.path=/models/policy", "data.max_prompt_length=1000", "rollout.max_new_tokens=3000",

@@ -5,7 +5,7 @@ backward and the batch gets one optimizer step. Each reason is named for the con
 import pytest
 
 from megatron_stare.actor.logprob_pass import logprob_pass_reason
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.losses import POLICY_LOSSES, build_policy_loss
 
 #: The losses whose plan selects tokens by the pass's values (or reads the gate of this step).

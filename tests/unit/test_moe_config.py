@@ -82,7 +82,7 @@ def test_router_padding_mask_marks_exactly_the_padding(cp):
     """Slot padding (to 2*cp) and the row's padding to the SP multiple are padding; every real
     token is not (the router's aux and z-losses count only those)."""
     from megatron_stare.actor.schedule import _row_padding
-    from megatron_stare.trainer.batching import collate_packed
+    from megatron_stare.actor.batching import collate_packed
     from megatron_stare.types import Sample
 
     samples = [Sample(sample_id=i, group_id=0, prompt_ids=[5] * p, response_ids=[7] * r)

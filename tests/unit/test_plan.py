@@ -172,11 +172,11 @@ def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
 
 
 def test_plan_phases_are_the_training_loops():
-    """One phase list (trainer/phases.py) for the loop and the planner; each phase holds what
+    """One phase list (runtime/phases.py) for the loop and the planner; each phase holds what
     the engine holds then: everything while awake, a residue while released, the weights again
     from resume_w (plus one bucket in sync), everything from resume_kv."""
     from megatron_stare.plan.planner import PHASES
-    from megatron_stare.trainer.phases import PHASES as STEP
+    from megatron_stare.runtime.phases import PHASES as STEP
 
     assert PHASES == tuple(p.name for p in STEP) == (
         "generate", "gather", "score", "release", "onload", "train", "resume_w", "sync", "offload", "resume_kv")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import score_tokens
-from megatron_stare.trainer.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 

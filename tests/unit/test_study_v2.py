@@ -146,7 +146,7 @@ def test_warm_start_stops_at_probe_pass_at_k(tmp_path):
     """The pass@k stop rule (``SftSettings.stop_pass``): probed every ``pass_every`` steps once the
     sampled accuracy reaches ``pass_from_accuracy``, with ``pass_samples`` samples per prompt, and
     the run stops at the first probe at or above the bound (here the 3rd: step 6), not at max_steps."""
-    from megatron_stare.demo.sft import PolicyStats, SftSettings, train_sft
+    from megatron_stare.study.sft import PolicyStats, SftSettings, train_sft
     from megatron_stare.models.tiny import build_tiny_hf_model
 
     base = build_tiny_hf_model("qwen2", tmp_path / "base", seed=0, num_layers=1, hidden_size=32,

@@ -1,6 +1,6 @@
 """Templated multi-step arithmetic word problems, in verl's format, with a verl ``compute_score``.
 
-The real-model task (``python -m megatron_stare.demo.word_problems OUT_DIR``): what a pretrained
+The real-model task (``python -m megatron_stare.study.word_problems OUT_DIR``): what a pretrained
 chat model (SmolLM2-135M-Instruct) can partly solve, so GRPO groups have mixed rewards.
 
 - Rows are verl parquet rows as users bring them: ``prompt`` chat messages (one user turn),
@@ -203,7 +203,7 @@ FORMAT_SCORE = 0.2
 def compute_score_format(data_source: str, solution_str: str, ground_truth: str,
                          extra_info: Optional[dict] = None) -> Dict[str, float]:
     """``compute_score`` with ``FORMAT_SCORE`` for a wrong answer in the instruction's format (the
-    response ends with a number): study v3's reward (docs/study.md). A config names it as ``megatron_stare.demo.word_problems:compute_score_format``.
+    response ends with a number): study v3's reward (docs/study.md). A config names it as ``megatron_stare.study.word_problems:compute_score_format``.
     Returns verl's dict: ``score``, and ``acc`` (1.0 for a right answer), which the trainer's
     accuracy and held-out avg@k / pass@k count instead of ``score > 0``."""
     score = compute_score(data_source, solution_str, ground_truth, extra_info, format_score=FORMAT_SCORE)
@@ -211,7 +211,7 @@ def compute_score_format(data_source: str, solution_str: str, ground_truth: str,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.word_problems", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_stare.study.word_problems", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--train", type=int, default=512)
     ap.add_argument("--test", type=int, default=64)

@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from megatron_stare.config.fields import ConfigError, check_fields
+from megatron_stare.config.load import load_config
 from megatron_stare.config.sections import Config
 from megatron_stare.rollout import vllm_cpu
 from megatron_stare.rollout.spec import ENGINE_TRAITS
@@ -359,7 +360,18 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
     _check_schedule(cfg)
     if check_paths:
         # Reads the weight headers, the tokenizer and the data (torch, transformers): not at import.
-        from megatron_stare.config.preflight import preflight
+        from megatron_stare.preflight.inputs import preflight
 
         preflight(cfg)
     return cfg
+
+
+def validate_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
+                    check_paths: bool = True, hf_config: Optional[dict] = None) -> Config:
+    """Check values and cross-field consistency (``check_config``); returns ``cfg``."""
+    return check_config(cfg, world_size=world_size, cuda=cuda, check_paths=check_paths, hf_config=hf_config)
+
+
+def resolve_config(path: Optional[str], overrides: Sequence[str] = (), **checks: Any) -> Config:
+    """``load_config`` then ``validate_config(**checks)``: the one path from files to a checked config."""
+    return validate_config(load_config(path, overrides), **checks)

@@ -37,7 +37,7 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_stare.demo.sft import SftSettings, measure_policy, train_sft
+    from megatron_stare.study.sft import SftSettings, measure_policy, train_sft
     from megatron_stare.models.tiny import build_tiny_hf_model
     from megatron_stare.rewards import get_reward_fn
 

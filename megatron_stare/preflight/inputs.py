@@ -1,6 +1,6 @@
 """The preflight: everything a run reads is checked before a process group exists.
 
-``check_config`` (``config/checks.py``) runs it last, when paths are checked (the trainer on
+``check_config`` (``preflight/checks.py``) runs it last, when paths are checked (the trainer on
 every rank before process-group init, ``python -m megatron_stare.config``, the launch scripts
 before torchrun). It reads what it must and builds nothing: headers of the weight files, the
 tokenizer, the data rows, a checkpoint's metadata. Each problem is one ``ConfigError`` line

@@ -2,7 +2,7 @@
 
 The trainer's state at the start of a step (weights, optimizer, sampler, controller, RNG, the
 batches in flight) is unchanged until the step's first optimizer update (phase ``train``). So a
-preemption signal during ``generate`` or ``score`` (``trainer/phases.py``) need not wait for the
+preemption signal during ``generate`` or ``score`` (``runtime/phases.py``) need not wait for the
 step to end: the engines stop (``RolloutEngine.interrupted``: the hf engine between decode steps,
 the colocated vLLM between engine steps by aborting its requests, its TP ranks agreeing on the
 step; the server engines, the colocated ``sglang`` one included, by aborting theirs over HTTP),
@@ -46,7 +46,7 @@ from megatron_stare.checkpoint.core import rng_state, set_rng_state
 from megatron_stare.checkpoint.dist_ckpt import start_writer_results_queue
 from megatron_stare.runtime.preemption import PREEMPTION_SIGNALS, Preemption, StepInterrupted, exit_code
 from megatron_stare.rollout.async_loop import encode_in_flight
-from megatron_stare.trainer.phases import GENERATE, SCORE, Phase
+from megatron_stare.runtime.phases import GENERATE, SCORE, Phase
 
 __all__ = ["INTERRUPTIBLE", "RELAY_POLL_S", "StepInterrupts"]
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from megatron_stare.checkpoint.async_save import BackgroundSaves, save_run
 from megatron_stare.config.load import Config, ConfigError, load_config
 from megatron_stare.preflight.checks import validate_config
+from megatron_stare.runtime import notices
 from megatron_stare.trainer.console import Console, console_of
 from megatron_stare.errors import UserError
 from megatron_stare.trainer.generation import RanDry
@@ -610,7 +611,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
         if int(os.environ.get(first, "0")) == 0:
-            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            notices.say(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
         write_status(2)
         return 2
     except (SyncCheckError, EngineLost, RanDry) as e:
@@ -619,7 +620,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # server lost past its restarts is such a check too (rollout/recovery.py), and so is
         # DAPO's dynamic sampling running dry (generation.RanDry: on the same shared scores).
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            notices.say(f"error: {str(e).splitlines()[0]}", err=True)
         write_status(1)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C (preemption.py): stopped at once, nothing saved

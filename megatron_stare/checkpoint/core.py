@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_stare.checkpoint.manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
 from megatron_stare.checkpoint.manifest import manifest_step
 from megatron_stare.errors import UserError
+from megatron_stare.runtime import notices
 
 STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -319,8 +320,8 @@ def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool
     if per_rank is not None and per_rank["layout"] == vars(groups.layout):
         set_rng_state(per_rank["rng"])
     elif dist.get_rank() == 0:
-        print(f"[megatron-stare] checkpoint {d} was saved at another layout: weights and optimizer "
-              f"state resumed, RNG streams start afresh", flush=True)
+        notices.note(f"checkpoint {d} was saved at another layout: weights and optimizer "
+                     f"state resumed, RNG streams start afresh")
     return state
 
 

@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +43,7 @@ from megatron_stare.models.hf_io import INDEX, SINGLE, HFCheckpointReader, check
 from megatron_stare.models.registry import family_for_config
 from megatron_stare.models.sizes import param_counts
 from megatron_stare.rewards.contract import check_reward_config
+from megatron_stare.runtime import notices
 
 __all__ = ["DRY_RUN_SKIPPED", "preflight"]
 
@@ -60,7 +60,7 @@ _SAME_MODEL_SKIP = {"make_vocab_size_divisible_by", "extra", "max_position_embed
 
 def _warn(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {msg}", file=sys.stderr, flush=True)
+        notices.say(f"warning: {msg}", err=True)
 
 
 def _hf_spec(field: str, path: str, make_divisible: int) -> tuple:

@@ -49,6 +49,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
+from megatron_stare.runtime import notices
+
 if TYPE_CHECKING:  # reward workers import this module and need no torch
     import torch
     import torch.distributed as dist
@@ -203,7 +205,7 @@ def leave(code: int) -> int:
 def interrupted_again() -> int:
     """A second Ctrl-C stopped the process mid-step: one line (rank 0), the status file, 130."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print("[megatron-stare] interrupted again: stopped without saving; the last complete "
-              "checkpoint is kept", file=sys.stderr, flush=True)
+        notices.note("interrupted again: stopped without saving; the last complete checkpoint is kept",
+                     err=True)
     write_status(INTERRUPTED_EXIT_CODE)
     return INTERRUPTED_EXIT_CODE

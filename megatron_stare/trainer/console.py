@@ -44,6 +44,7 @@ from megatron_stare.trainer.console_lines import (PREFIX, RunSummary, eval_line,
                                          warning_line)
 from megatron_stare.trainer.metrics import format_duration
 from megatron_stare.rollout.spawned import CONSOLE_ONLY_ENV
+from megatron_stare.runtime import notices
 from megatron_stare.runtime.preemption import PREEMPTED_EXIT_CODE
 
 THIRD_PARTY = ("transformers", "vllm", "torch", "megatron", "sglang", "accelerate", "urllib3", "datasets")
@@ -130,7 +131,8 @@ class Console:
         root, vllm = logging.getLogger(), logging.getLogger("vllm")
         handler = _Handler(self)
         self._installed = (warnings.showwarning, handler, root.level, vllm.level,
-                           hf_logging.is_progress_bar_enabled(), "VLLM_CONFIGURE_LOGGING" in os.environ)
+                           hf_logging.is_progress_bar_enabled(), "VLLM_CONFIGURE_LOGGING" in os.environ,
+                           notices.set_sink(self.echo))  # the lower layers' lines come here
         warnings.showwarning = self._showwarning
         root.addHandler(handler)
         if root.level == logging.WARNING:  # the default: INFO records reach the log file too
@@ -148,8 +150,9 @@ class Console:
     def uninstall(self) -> None:
         if self._installed is None:
             return
-        showwarning, handler, level, vllm_level, bars, vllm_env = self._installed
+        showwarning, handler, level, vllm_level, bars, vllm_env, sink = self._installed
         warnings.showwarning = showwarning
+        notices.set_sink(sink)
         root = logging.getLogger()
         root.removeHandler(handler)
         root.setLevel(level)
@@ -187,8 +190,12 @@ class Console:
 
     def say(self, line: str, err: bool = False) -> None:
         """Print ``line`` (rank 0) and keep it in the log file."""
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            self.echo(line, err)
+
+    def echo(self, line: str, err: bool = False) -> None:
+        """Print ``line`` on this rank and keep it in the log file: the sink of the lower layers'
+        lines (``runtime/notices.py``), whose callers chose the ranks that speak."""
         print(line, file=self._stream(err), flush=True)
         self._log(line)
 

@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_stare.trainer.metrics import format_duration
 from megatron_stare.models.sizes import param_counts
+from megatron_stare.runtime.notices import PREFIX
 
-PREFIX = "[megatron-stare]"
 WIDTH = 160
 """A third-party warning is cut to this many characters on the console (whole in the log file)."""
 MAIN_PHASES = ("generate", "score", "train", "sync")

@@ -193,3 +193,29 @@ def test_already_complete_says_so_in_one_line(tmp_path):
     console.close()
     assert out.getvalue() == (f"[megatron-stare] already complete: {last} is step 20 of trainer.total_steps=20; "
                               f"nothing to do (raise trainer.total_steps to train on)\n")
+
+
+def test_lower_layers_lines_go_through_the_installed_console(tmp_path, capsys):
+    """The checkpoint loader, preemption and preflight speak through ``runtime.notices``: plain
+    printing with no console, the console (its streams and its log file) once it is installed,
+    plain printing again after it is uninstalled."""
+    from megatron_stare.runtime import notices
+
+    notices.note("before the console")
+    notices.say("warning: before", err=True)
+    plain = capsys.readouterr()
+    assert plain.out == "[megatron-stare] before the console\n" and plain.err == "warning: before\n"
+    console, out, err = _console(tmp_path, rank=1)  # the caller chose the rank: echo prints anyway
+    try:
+        console.install()
+        notices.note("checkpoint x was saved at another layout")
+        notices.say("error: a bad row", err=True)
+        console.uninstall()
+        notices.note("after the console")
+    finally:
+        console.close()
+    assert out.getvalue() == "[megatron-stare] checkpoint x was saved at another layout\n"
+    assert err.getvalue() == "error: a bad row\n"
+    log = (tmp_path / "console_rank1.log").read_text()
+    assert "saved at another layout" in log and "error: a bad row" in log and "after" not in log
+    assert capsys.readouterr().out == "[megatron-stare] after the console\n"

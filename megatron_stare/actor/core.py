@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from megatron_stare.actor.batches import prepare_batches
 from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
@@ -36,8 +37,6 @@ class MegatronActor:
     def __init__(self, spec: GPTSpec, groups: ParallelGroups, settings: ActorSettings,
                  load_weights: WeightLoader, load_ref_weights: Optional[WeightLoader] = None,
                  trainable: bool = True):
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)
 
         self.spec, self.groups, self.s = spec, groups, settings
         lay = groups.layout

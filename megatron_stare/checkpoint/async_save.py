@@ -41,6 +41,8 @@ import queue
 import signal
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
+from megatron_stare.checkpoint.writer import WORKER_KILLED_EXIT
+from megatron_stare.checkpoint.writer import die_with_parent, watch_workers
 
 __all__ = ["BackgroundSaves", "save_run"]
 
@@ -67,7 +69,6 @@ def save_run(trainer, step: int, state: Optional[dict] = None) -> None:
 def _write_all(calls: List[Tuple[Callable, tuple, dict]]) -> None:
     """The writer process: megatron-core's write function of each part, in order (each puts its
     results on megatron-core's results queue, in the same order the finalizers read them)."""
-    from megatron_stare.checkpoint.writer import die_with_parent, watch_workers
 
     die_with_parent()
     watch_workers()
@@ -171,7 +172,6 @@ class BackgroundSaves:
         import torch.distributed as dist
 
         from megatron_stare.checkpoint.core import WRITER_DIED
-        from megatron_stare.checkpoint.writer import WORKER_KILLED_EXIT
 
         code = self._writer.exitcode if self._writer is not None else None
         self._writer = None

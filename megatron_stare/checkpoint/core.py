@@ -52,6 +52,11 @@ from megatron_stare.checkpoint.manifest import COMPLETE, first_problem, from_ran
 from megatron_stare.checkpoint.manifest import manifest_step
 from megatron_stare.errors import UserError
 from megatron_stare.runtime import notices
+from megatron_stare.checkpoint.dist_ckpt import load_model
+from megatron_stare.checkpoint.dist_ckpt import load_optimizer as load_optimizer_state
+from megatron_stare.checkpoint.dist_ckpt import reload_main_params
+from megatron_stare.checkpoint.dist_ckpt import save_model, save_optimizer
+from megatron_stare.weight_sync.hf_export import side_files
 
 STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -130,8 +135,6 @@ def save_checkpoint(root: PathLike, step: int, *, actor, groups, spec, trainer_s
     bg = background is not None and background.enabled
     if bg:
         background.wait()  # never two in flight
-    from megatron_stare.checkpoint.dist_ckpt import save_model, save_optimizer
-    from megatron_stare.weight_sync.hf_export import side_files
 
     root = Path(root).absolute()
     final = root / f"step_{step:08d}"
@@ -286,9 +289,6 @@ def load_checkpoint(ckpt: PathLike, *, actor, groups, spec, load_optimizer: bool
     caller just did, as ``latest_complete`` does), and every error is raised alike on every rank
     (a ``CheckpointError`` line naming the file).
     """
-    from megatron_stare.checkpoint.dist_ckpt import load_model
-    from megatron_stare.checkpoint.dist_ckpt import load_optimizer as load_optimizer_state
-    from megatron_stare.checkpoint.dist_ckpt import reload_main_params
 
     d = Path(ckpt)
     if from_rank0(not d.is_dir()):

@@ -39,9 +39,12 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
+from multiprocessing import resource_tracker
+import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_stare.checkpoint import writer as checkpoint_writer
 from megatron_stare.checkpoint import optimizer_dp1
@@ -114,8 +117,6 @@ def start_writer_results_queue() -> None:
     this process they are only held back (not lost) and are delivered when the mask is restored.
     The Manager ends with this process (its finalizer) or with a SIGKILL. Idempotent.
     """
-    import signal
-    from multiprocessing import resource_tracker
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -201,7 +202,6 @@ def _finish_sharded(tmp: Path, out: Path, meta: CheckpointMeta,
 def load_sharded(sharded_state_dict: dict, ckpt_dir: PathLike) -> dict:
     """Load a Megatron sharded state dict from a complete checkpoint (collective)."""
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     read_meta(ckpt_dir)
     try:

@@ -51,6 +51,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Collection, List, Optional
+import ctypes
 
 #: The sidecar a writer leaves beside each file it wrote: ``{"size": n, "sha256": hex}``.
 HASH_SUFFIX = ".sha256"
@@ -122,7 +123,6 @@ def die_with_parent() -> None:
         signal.signal(sig, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

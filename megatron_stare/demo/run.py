@@ -40,6 +40,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+from megatron_stare.demo import real_demo
+from megatron_stare.study.methods import method_overrides
+from megatron_stare.study.warm_start import prepare_warm_start
+from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
+from megatron_stare.trainer.metrics import held_out_k
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "study_cpu.yaml"
@@ -80,7 +85,6 @@ def _log(msg: str) -> None:
 
 def prepare(s: DemoSettings) -> dict:
     """Build the base model, the data, and the warm start; measure H0 and the start accuracy."""
-    from megatron_stare.study.warm_start import prepare_warm_start
 
     t0 = time.perf_counter()
     st = prepare_warm_start(Path(s.out), s.seed, quick=s.quick, eval_prompts=128, log=_log)
@@ -94,7 +98,6 @@ def prepare(s: DemoSettings) -> dict:
 
 
 def trainer_overrides(s: DemoSettings, method: str, target: float, log_dir: Path) -> List[str]:
-    from megatron_stare.study.methods import method_overrides
 
     out = Path(s.out)
     ov = ["parallel.tp=2", f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
@@ -139,7 +142,6 @@ def run_rl(label: str, config: Path, overrides: Sequence[str], log_dir: Path, st
 
 def _last_eval(rows: Sequence[dict], kind: str) -> float:
     """The last held-out ``eval/<kind>@k`` (``avg`` or ``pass``, k the run's samples per problem), or nan."""
-    from megatron_stare.trainer.metrics import held_out_k
 
     key = f"eval/{kind}@{held_out_k(rows)}"
     return next((float(r[key]) for r in reversed(rows) if key in r), math.nan)
@@ -151,7 +153,6 @@ def summarize(rows: Sequence[dict], target: float) -> dict:
     the last evaluation ('pass@1' / 'pass@8' keep the tiny demo's names for avg@k / pass@k).
     'After gate' = from the first step whose entropy is below the target (the STARE gate's first
     firing) to the end."""
-    from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
 
     ent = [float(r[ENTROPY]) for r in rows]
     acc = [float(r[ACCURACY]) for r in rows]
@@ -214,8 +215,6 @@ def run_real(s: DemoSettings) -> dict:
     """The real model's pipeline (the default); returns (and writes) the summary. GRPO runs first;
     its first step's entropy, the start's (both runs sample the same responses there), sets
     STARE's target."""
-    from megatron_stare.demo import real_demo
-    from megatron_stare.study.methods import method_overrides
     from megatron_stare.trainer.metrics import ENTROPY, read_metrics
 
     t0 = time.perf_counter()
@@ -268,7 +267,6 @@ def run_demo(s: DemoSettings) -> dict:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> DemoSettings:
-    from megatron_stare.demo import real_demo
 
     ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.run", description=__doc__.split("\n")[0])
     d = DemoSettings()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+from megatron_stare.models.registry import family_for_config
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,6 @@ class ParamCounts:
 
 def _spec(hf_config: dict):
     """The ``GPTSpec`` of an HF config dict; ValueError names an unsupported architecture/field."""
-    from megatron_stare.models.registry import family_for_config
 
     return family_for_config(hf_config).spec_from_hf(hf_config)
 

@@ -65,6 +65,7 @@ import math
 import os
 import sys
 from typing import Optional, Sequence, Tuple
+import torch
 
 from megatron_stare.config.load import Config, ConfigError, load_config
 from megatron_stare.preflight.checks import validate_config
@@ -323,7 +324,6 @@ def choose_recompute(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
 def resolve_recompute(cfg: Config, hf_dir: str, world_size: int) -> Tuple[str, str]:
     """The trainer's ``parallel.recompute=auto``: the planner's choice for this GPU's memory (on
     CPU: none, there is no device memory to save)."""
-    import torch  # only the trainer's call needs it, not the dry run
 
     if not torch.cuda.is_available():
         return "none", "recompute auto -> none (CPU)"

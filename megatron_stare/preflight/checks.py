@@ -30,12 +30,15 @@ import json
 import os
 import re
 from typing import Any, Optional, Sequence
+import warnings
 
 from megatron_stare.config.fields import ConfigError, check_fields
 from megatron_stare.config.load import load_config
 from megatron_stare.config.sections import Config
 from megatron_stare.rollout import vllm_cpu
 from megatron_stare.rollout.spec import ENGINE_TRAITS
+from megatron_stare.envs import EnvError, get_env_class
+from megatron_stare.models.sizes import _spec
 
 #: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -50,7 +53,6 @@ def _require(ok: bool, msg: str) -> None:
 
 def _model_spec(cfg: Config, hf_config: Optional[dict]):
     """The model's ``GPTSpec`` from ``hf_config`` or ``model.path/config.json``; None if neither."""
-    from megatron_stare.models.sizes import _spec
 
     where = "model"
     if hf_config is None:
@@ -123,7 +125,6 @@ def _check_cpu_attention(cfg: Config, cuda: bool, spec, world_size: Optional[int
 def _check_multi_turn(cfg: Config) -> None:
     """The environment resolves (name or dotted path), and an option set only means something
     with one."""
-    from megatron_stare.envs import EnvError, get_env_class
 
     mt = cfg.rollout.multi_turn
     if not mt.env:
@@ -241,7 +242,6 @@ def _check_staleness(cfg: Config) -> None:
 
 def _warn_off_policy_deprecations(cfg: Config) -> None:
     """One line per old off-policy field the run still sets (they keep working)."""
-    import warnings
 
     from megatron_stare.algorithms.off_policy import run_off_policy
 

@@ -37,6 +37,7 @@ import logging
 import os
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import gc
 
 import torch
 import torch.distributed as dist
@@ -152,7 +153,6 @@ class VLLMEngine(RolloutEngine):
                              "(tensors cannot cross the multiprocess RPC); unset it or use the "
                              "vllm-server engine")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        import torch.distributed as dist
         from vllm import LLM
 
         self.cpu = not torch.cuda.is_available()
@@ -185,7 +185,6 @@ class VLLMEngine(RolloutEngine):
     def _remove_stale_shm() -> None:
         """Leftovers of a killed run would stop the TP group's start (``vllm_cpu.remove_stale_shm``):
         one rank per node removes them while the others wait."""
-        import torch.distributed as dist
 
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             gone = vllm_cpu.remove_stale_shm()
@@ -300,7 +299,6 @@ class VLLMEngine(RolloutEngine):
     def shutdown(self) -> None:
         if getattr(self, "llm", None) is None:
             return
-        import gc
 
         del self.llm
         self.llm = None

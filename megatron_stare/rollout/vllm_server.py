@@ -69,6 +69,7 @@ import urllib.request
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import shlex
 
 import torch
 from torch import Tensor
@@ -101,7 +102,6 @@ class ServerCommand:
 
     def shell(self) -> str:
         """One line for a launch script: ``VAR=... python -m ...``."""
-        import shlex
 
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
                          *(shlex.quote(a) for a in self.argv)])

@@ -40,10 +40,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+import shutil
 
 from megatron_stare.study import methods as sm
 from megatron_stare.study import results as sr
 from megatron_stare.study.tasks import TASKS, StudyTask
+from megatron_stare.study import report as study_report
+from megatron_stare.study.figures import plot_study
+from megatron_stare.study.report import load_runs, write_report
+from megatron_stare.study.warm_start import prepare_warm_start
+from megatron_stare.study.warm_start import write_task_data
+from megatron_stare.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = TASKS["pick_sum"].config
@@ -104,7 +111,6 @@ def seed_dir(s: StudySettings, seed: int) -> Path:
 
 def prepare_seed(s: StudySettings, seed: int) -> dict:
     """Base model, data, warm start and H0 of one seed (``warm_start``; cached in ``start.json``)."""
-    from megatron_stare.study.warm_start import prepare_warm_start
 
     task = task_of(s)
     res = results_dir(s)
@@ -134,9 +140,7 @@ def restore_start(s: StudySettings, seed: int) -> bool:
     """Put the committed warm start of ``seed`` (``study_results.start_checkpoint`` and its
     ``start.json``) in this machine's seed directory, with the seed's task data, so that nothing
     is rebuilt. False (nothing done) when no matching checkpoint is committed."""
-    import shutil
 
-    from megatron_stare.study.warm_start import write_task_data
 
     res, d = results_dir(s), seed_dir(s, seed)
     start = sr.load_starts(res, [seed]).get(seed)
@@ -263,7 +267,6 @@ def run_one(s: StudySettings, spec: RunSpec, start: dict) -> Path:
 
 
 def _record(s: StudySettings, spec: RunSpec, start: dict, rd: Path, key: str) -> None:
-    from megatron_stare.trainer.metrics import read_metrics
 
     d = json.loads((rd / "done.json").read_text())
     path = sr.write_result(results_dir(s), seed=spec.seed, method=spec.method, key=key,
@@ -290,8 +293,6 @@ def _name(spec: RunSpec) -> str:
 def report(s: StudySettings, starts: Dict[int, dict], wall_seconds: float) -> dict:
     """The figures, ``study.md`` and ``study.json`` from the finished runs of ``s``'s seeds and
     methods: the recorded results (a task with a results directory) or the run directories."""
-    from megatron_stare.study.figures import plot_study
-    from megatron_stare.study.report import load_runs, write_report
 
     res = results_dir(s)
     if res is not None:
@@ -381,7 +382,6 @@ def tuning_specs(s: StudySettings, stage: str) -> List[RunSpec]:
 
 def tune(s: StudySettings, stage: str) -> dict:
     """Run a tuning stage (docs/study.md) and write ``tuning_<stage>.md``."""
-    from megatron_stare.study import report as study_report
 
     sm.check_grids()
     if results_dir(s) is not None:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 import torch
+from megatron_stare.rewards import get_reward_fn
+from megatron_stare.study.sft import PolicyStats
 
 MAX_PASS32 = 0.9
 MIN_POS_HIGH = 0.05
@@ -143,7 +145,6 @@ def validate_checkpoint(ckpt: Path, eval_jsonl: Path, task, *, seed: int, prompt
     ``eval_jsonl``, scored by ``task``'s reward (``study_tasks.StudyTask``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_stare.rewards import get_reward_fn
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -157,7 +158,6 @@ def measure_policy_kv(model, tok, rows: Sequence[dict], *, seed: int, samples_pe
                       max_new_tokens: int, score_fn: Callable[[str, str, dict], float]):
     """``sft.measure_policy``'s numbers with a KV cache (``sample_tokens``): the warm start's probes
     for tasks with long responses (``StudyTask.kv_cache``)."""
-    from megatron_stare.study.sft import PolicyStats
 
     k = samples_per_prompt
     resp = sample_tokens(model, tok, [r["prompt"] for r in rows], k, max_new_tokens=max_new_tokens, seed=seed)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_stare.study.tasks import TASKS, StudyTask
+from megatron_stare.rewards import get_reward_fn
+from megatron_stare.rewards import make_task, write_jsonl
 
 TASK = TASKS["pick_sum"].kwargs
 """``pick_sum``: 6 distinct digits offered, pick 2 that sum to N; >= 2 unordered pairs do."""
@@ -39,7 +41,6 @@ def prepare_warm_start(d: Path, seed: int, *, quick: bool = False, eval_prompts:
 
     from megatron_stare.study.sft import SftSettings, measure_policy, train_sft
     from megatron_stare.models.tiny import build_tiny_hf_model
-    from megatron_stare.rewards import get_reward_fn
 
     t0 = time.perf_counter()
     score = get_reward_fn(task.name)
@@ -86,7 +87,6 @@ def write_task_data(d: Path, seed: int, *, quick: bool = False, eval_prompts: in
     """The seed's task rows (deterministic in ``seed``): writes ``d/data/train.jsonl`` (RL prompts)
     and ``d/data/eval.jsonl`` (held-out prompts no warm-start or RL row has); returns
     ``(sft_rows, probe_rows, train_rows, eval_rows)``."""
-    from megatron_stare.rewards import make_task, write_jsonl
 
     kw, name = task.kwargs, task.name
     sft_rows = make_task(name, 1000 if quick else 5000, seed=1000 + seed, **kw)

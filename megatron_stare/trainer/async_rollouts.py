@@ -23,6 +23,11 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from megatron_stare.errors import UserError
 from megatron_stare.runtime.phases import GATHER, SCORE
+from megatron_stare.rollout.async_loop import RolloutPipeline
+from megatron_stare.rollout.async_loop import Span, version_metrics
+from megatron_stare.rollout.async_loop import decode_in_flight
+from megatron_stare.rollout.async_loop import encode_in_flight
+from megatron_stare.rollout.data_parallel import replica_slice
 
 if TYPE_CHECKING:
     from megatron_stare.rollout.async_loop import Launched
@@ -36,7 +41,6 @@ class AsyncRollouts:
     resumed from (``state()`` of the run that wrote it)."""
 
     def __init__(self, trainer, saved: Optional[List[dict]] = None):
-        from megatron_stare.rollout.async_loop import RolloutPipeline
 
         self.tr = trainer
         t = trainer.cfg.trainer
@@ -68,7 +72,6 @@ class AsyncRollouts:
     def step_metrics(self, step: int, job: "Launched", samples, train_start: float, train_end: float
                      ) -> Dict[str, float]:
         """The asynchronous step's ``async/*`` and ``timeline/*`` metrics."""
-        from megatron_stare.rollout.async_loop import Span, version_metrics
 
         out = self.pipeline.step_metrics(step, job, Span(step, "train", train_start, train_end), self.t_start)
         out.update(version_metrics(samples, step))
@@ -77,7 +80,6 @@ class AsyncRollouts:
     def state(self) -> list:
         """The batches in flight at this step boundary, for the checkpoint (JSON: the float32
         log-probs round-trip exactly)."""
-        from megatron_stare.rollout.async_loop import encode_in_flight
 
         return [] if self.pipeline.staleness == 0 else encode_in_flight(self.pipeline.in_flight())
 
@@ -86,7 +88,6 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------ internals
     def _restore(self, saved: List[dict]) -> None:
-        from megatron_stare.rollout.async_loop import decode_in_flight
 
         if saved and self.pipeline.staleness == 0:
             raise UserError(f"the checkpoint holds {len(saved)} generation batch(es) in flight from an "
@@ -113,7 +114,6 @@ class AsyncRollouts:
         """A partial-rollout batch of ``draw``: this replica's slice of its prompts, cut in
         segments of ``trainer.partial_rollout_tokens`` (``state``: restored from a checkpoint);
         None on ranks that do not generate."""
-        from megatron_stare.rollout.data_parallel import replica_slice
         from megatron_stare.rollout.partial import SegmentedBatch
 
         d = self.tr.engine_spec.devices

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.types import Sample
+from megatron_stare.rollout.base import SamplingParams
+from megatron_stare.rollout.data_parallel import replica_slice
 
 __all__ = ["BOUNDS", "MismatchWatch", "ProbeGap", "SyncCheckError", "SyncProbe", "bound_for", "probe_gap", "probe_prompts",
            "sample_sources"]
@@ -139,7 +141,6 @@ class SyncProbe:
         return k == 0 or (self.every > 0 and k % self.every == 0)
 
     def sampling(self):
-        from megatron_stare.rollout.base import SamplingParams
 
         return SamplingParams(n=1, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                               ignore_eos=True, seed=PROBE_SEED)
@@ -169,7 +170,6 @@ class SyncProbe:
 def sample_sources(n: int, devices, engine) -> List[str]:
     """Who generated each of ``n`` probe samples, for the check's line: the engine replica
     (``replica_slice``'s dealing) or the attached / spawned server; "" when there is one engine."""
-    from megatron_stare.rollout.data_parallel import replica_slice
 
     if devices.replicas > 1:
         where = [""] * n

@@ -12,9 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from megatron.core.optimizer import OptimizerConfig as MOptConfig
-from megatron.core.optimizer import clip_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig as MOptConfig, clip_grads, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 

@@ -7,6 +7,9 @@ The names below are loaded on first access (PEP 562): importing ``megatron_stare
 (the config does) must not pull in torch and every loss.
 """
 
+from megatron_stare.algorithms import advantages, aggregation, gepo, losses, stare
+from megatron_stare.config import algorithm as config
+
 _EXPORTS = {
     "advantages": ("ADVANTAGE_ESTIMATORS", "compute_advantages", "register_advantage"),
     "aggregation": ("AGG_MODES", "LossDenominators", "MetricSums", "aggregate", "backward_scale",
@@ -25,8 +28,6 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name: str):
     if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from megatron_stare.algorithms import advantages, aggregation, gepo, losses, stare
-    from megatron_stare.config import algorithm as config
 
     modules = {"advantages": advantages, "aggregation": aggregation, "config": config, "gepo": gepo,
                "losses": losses, "stare": stare}

@@ -41,8 +41,7 @@ import queue
 import signal
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
-from megatron_stare.checkpoint.writer import WORKER_KILLED_EXIT
-from megatron_stare.checkpoint.writer import die_with_parent, watch_workers
+from megatron_stare.checkpoint.writer import WORKER_KILLED_EXIT, die_with_parent, watch_workers
 
 __all__ = ["BackgroundSaves", "save_run"]
 

@@ -48,14 +48,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_stare.checkpoint.manifest import COMPLETE, first_problem, from_rank0, verify, write_manifest
-from megatron_stare.checkpoint.manifest import manifest_step
+from megatron_stare.checkpoint.manifest import (COMPLETE, first_problem, from_rank0, manifest_step, verify,
+                                                write_manifest)
 from megatron_stare.errors import UserError
 from megatron_stare.runtime import notices
-from megatron_stare.checkpoint.dist_ckpt import load_model
-from megatron_stare.checkpoint.dist_ckpt import load_optimizer as load_optimizer_state
-from megatron_stare.checkpoint.dist_ckpt import reload_main_params
-from megatron_stare.checkpoint.dist_ckpt import save_model, save_optimizer
+from megatron_stare.checkpoint.dist_ckpt import (load_model, load_optimizer as load_optimizer_state, reload_main_params,
+                                                 save_model, save_optimizer)
 from megatron_stare.weight_sync.hf_export import side_files
 
 STATE = "trainer_state.json"

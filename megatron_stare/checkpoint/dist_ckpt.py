@@ -46,8 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_stare.checkpoint import writer as checkpoint_writer
-from megatron_stare.checkpoint import optimizer_dp1
+from megatron_stare.checkpoint import optimizer_dp1, writer as checkpoint_writer
 from megatron_stare.models.gpt import GPTSpec, MoESpec
 from megatron_stare.models.sharding import unwrap
 from megatron_stare.runtime.parallel import ParallelGroups

@@ -43,8 +43,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron_stare.demo import real_demo
 from megatron_stare.study.methods import method_overrides
 from megatron_stare.study.warm_start import prepare_warm_start
-from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
-from megatron_stare.trainer.metrics import held_out_k
+from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH, held_out_k, plot_runs, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "study_cpu.yaml"
@@ -215,8 +214,6 @@ def run_real(s: DemoSettings) -> dict:
     """The real model's pipeline (the default); returns (and writes) the summary. GRPO runs first;
     its first step's entropy, the start's (both runs sample the same responses there), sets
     STARE's target."""
-    from megatron_stare.trainer.metrics import ENTROPY, read_metrics
-
     t0 = time.perf_counter()
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,8 +242,6 @@ def run_real(s: DemoSettings) -> dict:
 
 def finish(s: DemoSettings, start: dict, paths: Dict[str, Path], target: float, t0: float) -> dict:
     """The figure, the summary file and the side-by-side table."""
-    from megatron_stare.trainer.metrics import held_out_k, plot_runs, read_metrics
-
     png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
                     target_entropy=(BAND[0] * target, BAND[1] * target))
     rows = {label: read_metrics(str(p)) for label, p in paths.items()}

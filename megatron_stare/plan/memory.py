@@ -14,8 +14,7 @@ from megatron_stare.models.sizes import ParamCounts
 from megatron_stare.plan.moe import MoEPlan
 from megatron_stare.plan.offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan.sync import SyncStaging
-from megatron_stare.runtime.phases import PHASES as STEP_PHASES
-from megatron_stare.runtime.phases import EngineMemory, Phase
+from megatron_stare.runtime.phases import EngineMemory, PHASES as STEP_PHASES, Phase
 
 GiB = float(2**30)
 PHASES = tuple(p.name for p in STEP_PHASES)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_stare.errors import UserError
 from megatron_stare.runtime.rendezvous import check_env, free_port
+from megatron_stare.compat import cpu as cpu_compat
 
 
 class LayoutError(UserError):
@@ -211,8 +212,6 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
     """
     cuda = torch.cuda.is_available()
     if not cuda:
-        from megatron_stare.compat import cpu as cpu_compat
-
         cpu_compat.apply()
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))

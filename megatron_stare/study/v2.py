@@ -42,14 +42,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 import shutil
 
-from megatron_stare.study import methods as sm
-from megatron_stare.study import results as sr
+from megatron_stare.study import methods as sm, report as study_report, results as sr
 from megatron_stare.study.tasks import TASKS, StudyTask
-from megatron_stare.study import report as study_report
 from megatron_stare.study.figures import plot_study
 from megatron_stare.study.report import load_runs, write_report
-from megatron_stare.study.warm_start import prepare_warm_start
-from megatron_stare.study.warm_start import write_task_data
+from megatron_stare.study.warm_start import prepare_warm_start, write_task_data
 from megatron_stare.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

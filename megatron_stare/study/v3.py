@@ -45,9 +45,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pyarrow.parquet as pq
 
-from megatron_stare.study import methods as sm
-from megatron_stare.study import report as rep
-from megatron_stare.study import results as sr
+from megatron_stare.study import methods as sm, report as rep, results as sr
 from megatron_stare.study.figures import plot_study
 from megatron_stare.study.word_problems import STUDY_TIERS, write_split
 from megatron_stare.trainer.metrics import read_metrics

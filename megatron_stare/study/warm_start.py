@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_stare.study.tasks import TASKS, StudyTask
-from megatron_stare.rewards import get_reward_fn
-from megatron_stare.rewards import make_task, write_jsonl
+from megatron_stare.rewards import get_reward_fn, make_task, write_jsonl
 
 TASK = TASKS["pick_sum"].kwargs
 """``pick_sum``: 6 distinct digits offered, pick 2 that sum to N; >= 2 unordered pairs do."""

@@ -23,10 +23,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from megatron_stare.errors import UserError
 from megatron_stare.runtime.phases import GATHER, SCORE
-from megatron_stare.rollout.async_loop import RolloutPipeline
-from megatron_stare.rollout.async_loop import Span, version_metrics
-from megatron_stare.rollout.async_loop import decode_in_flight
-from megatron_stare.rollout.async_loop import encode_in_flight
+from megatron_stare.rollout.async_loop import RolloutPipeline, Span, decode_in_flight, encode_in_flight, version_metrics
 from megatron_stare.rollout.data_parallel import replica_slice
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from megatron_stare.testing.actor_case import MOE_SPEC, build_case_actor, case_g
 from megatron_stare.testing.megatron_tiny import TINY_SPEC
 from megatron_stare.testing.optimizer_state import gather_optimizer_state
 from megatron_stare.actor.optim import torch_adams
-from megatron_stare.checkpoint import dist_ckpt
+from megatron_stare.checkpoint import core as checkpoint_core, dist_ckpt
 from megatron_stare.checkpoint.core import latest_complete, load_checkpoint, save_checkpoint
 
 
@@ -59,7 +59,8 @@ def _break(kind: Optional[str]) -> None:
 
         dist_ckpt._optimizer_sharded_state_dict = without_param_state
     elif kind == "main_params":
-        dist_ckpt.reload_main_params = lambda optimizer: None
+        # where it is called: the weights-only resume (checkpoint.core) and load_optimizer
+        dist_ckpt.reload_main_params = checkpoint_core.reload_main_params = lambda optimizer: None
     elif kind == "adam_steps":
         dist_ckpt._restore_adam_steps = lambda optimizer: None
     elif kind == "adam_kernels":

@@ -20,7 +20,7 @@ MAIN_PHASES = ("generate", "score", "train", "sync")
 _MINOR = (("gather", "gather"), ("wait_generate", "wait"), ("eval", "eval"))
 _WAKE = ("release", "resume_w", "resume_kv")  # the engine's sleep and wake: shown as one time
 _SHOWN_FROM_S = 0.05
-_PKG_DIR = Path(__file__).resolve().parent
+_PKG_DIR = Path(__file__).resolve().parents[1]  # megatron_stare/
 
 
 def seconds(t: float) -> str:

@@ -219,3 +219,13 @@ def test_lower_layers_lines_go_through_the_installed_console(tmp_path, capsys):
     log = (tmp_path / "console_rank1.log").read_text()
     assert "saved at another layout" in log and "error: a bad row" in log and "after" not in log
     assert capsys.readouterr().out == "[megatron-stare] after the console\n"
+
+
+def test_a_warning_from_any_folder_of_the_package_is_ours():
+    """Ours, whole on the console, from every folder (a moved module must not turn third-party)."""
+    from megatron_stare.checkpoint import core
+    from megatron_stare.trainer import console_lines
+
+    for module in (core, console_lines, __import__("megatron_stare.train").train):
+        assert console_lines.source_of(module.__file__) == "megatron_stare", module.__name__
+    assert console_lines.source_of("/x/site-packages/megatron/core/optimizer/__init__.py") == "megatron"

@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_stare.demo.word_problems import compute_score  # noqa: E402  (stdlib + regex only)
+from megatron_stare.study.word_problems import compute_score  # noqa: E402  (stdlib + regex only)
 
 PHASES = defaultdict(float)
 

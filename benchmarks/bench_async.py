@@ -46,7 +46,8 @@ PHASES = ("generate", "gather", "score", "release", "train", "logprob", "update"
 def _fit(rank, world, assets: str, staleness: int, args: dict):
     """One run; rank 0 returns each step's metric row and the perf_counter time it was logged."""
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.train import Trainer
 
     d = Path(assets)

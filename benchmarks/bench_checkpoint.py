@@ -50,9 +50,9 @@ def _work(seconds_hint: float, a: torch.Tensor) -> int:
 def _bench(rank, world, root, hidden, layers, repeats, step_s, seed, distributed_optimizer=True):
     import torch.distributed as dist
 
-    from megatron_stare.async_save import BackgroundSaves
-    from megatron_stare.checkpoint import save_checkpoint
-    from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
+    from megatron_stare.checkpoint.async_save import BackgroundSaves
+    from megatron_stare.checkpoint.core import save_checkpoint
+    from megatron_stare.checkpoint.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 

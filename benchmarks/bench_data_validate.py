@@ -32,7 +32,7 @@ def main() -> None:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from megatron_stare.config import DataConfig
+    from megatron_stare.config.load import DataConfig
     from megatron_stare.data import validate_file
     from megatron_stare.data.prepare import DAPO_TEMPLATE
     from megatron_stare.models.tiny import build_tiny_hf_model

@@ -39,7 +39,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from megatron_stare.config import load_config
+    from megatron_stare.config.load import load_config
     from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
     from megatron_stare.testing.hf_models import build_tiny_hf_model
 

@@ -41,7 +41,7 @@ def _rollout(rank, world, model_dir, prompts, max_new, repeats):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     import torch.distributed as dist
 
-    from megatron_stare.config import load_config
+    from megatron_stare.config.load import load_config
     from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
     from megatron_stare.train import Trainer
 
@@ -81,9 +81,9 @@ def _sync(rank, world, model_dir):
     import torch.distributed as dist
 
     from megatron_stare.models import sharding
-    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.rollout import build_engine
 
     groups = init_distributed(ParallelLayout.from_world(world, tp=2))

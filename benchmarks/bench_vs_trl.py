@@ -1,7 +1,7 @@
 """One RL step on the real model, the project against TRL's ``GRPOTrainer``, on the same machine.
 
 The same job on both sides: SmolLM2-135M-Instruct (``megatron_stare/models/fetch.py``), the word
-problems in chat format (``megatron_stare/demo/word_problems.py``, its ``compute_score``), 8
+problems in chat format (``megatron_stare/study/word_problems.py``, its ``compute_score``), 8
 prompts x 4 completions, lr 1e-4, every completion exactly ``L`` new tokens (EOS ignored), L in
 ``--lengths``. The project runs ``megatron_stare.train`` under torchrun (``_vs_trl_project.py``,
 layout ``--layout``); TRL runs in its own virtual environment (``--trl-venv``, made here on first
@@ -154,7 +154,7 @@ def project_side(args, length: int, steps: int, data: Path, model: Path, gate: P
            str(ROOT / "benchmarks" / "_vs_trl_project.py"), "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
            f"model.path={model}", f"data.train_path={data}", "data.apply_chat_template=true",
            "data.answer_key=reward_model.ground_truth", f"data.max_prompt_length={args.max_prompt_length}",
-           "reward.fn=megatron_stare.demo.word_problems:compute_score", "checkpoint.dir=",
+           "reward.fn=megatron_stare.study.word_problems:compute_score", "checkpoint.dir=",
            f"logging.dir={gate / 'logs'}", "logging.tensorboard=false", f"trainer.total_steps={steps}",
            f"trainer.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={length}",
            f"optimizer.lr={args.lr}", "rollout.temperature=1.0", "rollout.verify_sync=off",
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
         from megatron_stare.models.fetch import fetch
 
         args.model = Path(fetch("smollm2-135m-instruct", quiet=True))
-    from megatron_stare.demo.word_problems import write_split
+    from megatron_stare.study.word_problems import write_split
 
     trl_py = None if args.smoke or args.project_only else ensure_trl_venv(args.trl_venv)
     results = []

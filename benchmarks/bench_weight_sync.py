@@ -98,9 +98,9 @@ def _engine(port: int) -> None:
 def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     """One rank of a variant's world; returns its runner."""
     torch.set_num_threads(1)
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.weight_sync.export import ExportStats, iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, group_ranks, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, group_ranks, init_distributed
     from megatron_stare.testing.distributed import free_port
     from megatron_stare.weight_sync import PeakMemory, ProcessGroupSender, init_named_weight_group
     from megatron_stare.weight_sync.wire import broadcast

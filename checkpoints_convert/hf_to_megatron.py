@@ -43,11 +43,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from megatron_stare.models.dist_ckpt import save_model
+    from megatron_stare.checkpoint.dist_ckpt import save_model
     from megatron_stare.models.hf_io import HFCheckpointReader, check_hf_tensors
     from megatron_stare.models.provider import (build_model_stage, load_hf_config, load_hf_weights,
                                                 mapping_for, model_shape, spec_from_hf_config)
-    from megatron_stare.parallel import ParallelLayout, destroy_distributed, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     try:  # everything checkable before any process group exists
         hf_config = load_hf_config(args.hf_dir)

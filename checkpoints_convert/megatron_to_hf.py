@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_dir(ckpt: Path) -> Path:
     """The model checkpoint of ``ckpt``: itself, or the ``model/`` of a trainer's step directory."""
-    from megatron_stare.models.dist_ckpt import META_FILE
+    from megatron_stare.checkpoint.dist_ckpt import META_FILE
 
     if not (ckpt / META_FILE).is_file() and (ckpt / "model" / META_FILE).is_file():
         return ckpt / "model"
@@ -81,10 +81,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from megatron_stare.models.dist_ckpt import load_model, read_meta
-    from megatron_stare.models.hf_export import SIDE_DIR, write_hf_checkpoint
+    from megatron_stare.checkpoint.dist_ckpt import load_model, read_meta
+    from megatron_stare.weight_sync.hf_export import SIDE_DIR, write_hf_checkpoint
     from megatron_stare.models.provider import build_model_stage, model_shape
-    from megatron_stare.parallel import ParallelLayout, destroy_distributed, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     try:
         args.ckpt = model_dir(args.ckpt)

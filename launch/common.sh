@@ -10,7 +10,7 @@
 
 fail() { echo "error: $*" >&2; exit 2; }
 
-# Preemption (megatron_stare/preemption.py): SIGTERM or SIGUSR1 makes the run save at the next
+# Preemption (megatron_stare/runtime/preemption.py): SIGTERM or SIGUSR1 makes the run save at the next
 # step boundary and exit 75. torchrun forwards only the signals of --signals-to-handle (SIGUSR1
 # is not among its defaults: it would kill torchrun and orphan the workers) and SIGKILLs workers
 # --shutdown-timeout seconds after forwarding (default 30): PREEMPT_GRACE_S, which must cover a
@@ -88,10 +88,10 @@ print_cmd() {
 }
 
 # preflight WORLD_SIZE: before any rank starts, check that this node can meet the others
-# (megatron_stare.rendezvous: MASTER_ADDR set, resolvable, reachable within $MASTER_WAIT_S) and
-# that the config is valid for the run (megatron_stare.config: one line per problem).
+# (megatron_stare.runtime.rendezvous: MASTER_ADDR set, resolvable, reachable within $MASTER_WAIT_S) and
+# that the config is valid for the run (megatron_stare.config.load: one line per problem).
 preflight() {
-  "$RUN_PY" -m megatron_stare.rendezvous --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  "$RUN_PY" -m megatron_stare.runtime.rendezvous --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" || exit $?
   "$RUN_PY" -m megatron_stare.config --quiet --config "$CONFIG" --world-size "$1" "${ARGS[@]}" || exit $?
 }

@@ -44,7 +44,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from megatron_stare.preemption import INTERRUPTED_EXIT_CODE, REPEAT_WINDOW_S, STATUS_FILE_ENV
+from megatron_stare.runtime.preemption import INTERRUPTED_EXIT_CODE, REPEAT_WINDOW_S, STATUS_FILE_ENV
 
 #: torchrun's signals: its defaults and SIGUSR1 (launch/common.sh), without SIGINT (ours).
 TORCHRUN_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1"

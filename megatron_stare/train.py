@@ -4,7 +4,7 @@ Run under torchrun (``torchrun --standalone --nproc-per-node N -m megatron_stare
 a plain ``python -m`` run is a world of one. ``--dry-run`` validates the config and prints the
 parallel plan and a per-GPU memory estimate without touching a GPU.
 
-One step reads like the algorithm, phase by phase (``rollout/phases.py``, which the dry-run
+One step reads like the algorithm, phase by phase (``runtime/phases.py``, which the dry-run
 planner's memory model reads too):
 
     1 generate     the engine: n responses per prompt          each replica its slice (spec.py)
@@ -46,49 +46,60 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
-from megatron_stare.async_save import BackgroundSaves, save_run
-from megatron_stare.config import Config, ConfigError, load_config, validate_config
-from megatron_stare.console import Console, console_of
+from megatron_stare.checkpoint.async_save import BackgroundSaves, save_run
+from megatron_stare.config.load import Config, ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
+from megatron_stare.runtime import notices
+from megatron_stare.trainer.console import Console, console_of
 from megatron_stare.errors import UserError
-from megatron_stare.generation import RanDry
-from megatron_stare.offload import Offloader, first_sync, trainer_turn
-from megatron_stare.preemption import Preemption, interrupted_again, leave, write_status
-from megatron_stare.reaper import install as install_reaper
+from megatron_stare.trainer.generation import GroupSelector, RanDry, ScoredBatch, eval_metrics, sampling_params
+from megatron_stare.trainer.offload import Offloader, first_sync, trainer_turn
+from megatron_stare.runtime.preemption import Preemption, interrupted_again, leave, write_status
+from megatron_stare.runtime.reaper import install as install_reaper
 from megatron_stare.run import note_engine
-from megatron_stare.rollout.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
+from megatron_stare.runtime.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS,
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.rollout.vllm_fleet import EngineLost
-from megatron_stare.save_schedule import SaveClock
-from megatron_stare.step_interrupt import StepInterrupts
-from megatron_stare.weight_sync.probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
+from megatron_stare.checkpoint.schedule import SaveClock
+from megatron_stare.trainer.step_interrupt import StepInterrupts
+from megatron_stare.trainer.sync_probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
+from megatron_stare.algorithms.gepo import GepoShaper, shape_batches
+from megatron_stare.algorithms.off_policy import run_off_policy
+from megatron_stare.algorithms.stare import StareController
+from megatron_stare.checkpoint.core import latest_complete, load_checkpoint
+from megatron_stare.data import load_run_data
+from megatron_stare.envs import make_env
+from megatron_stare.models.provider import load_hf_config, load_hf_weights, model_shape, spec_from_hf_config
+from megatron_stare.plan.planner import resolve_recompute
+from megatron_stare.rewards import RewardPool, check_reward_config
+from megatron_stare.rewards.sharded import SharedScores, score_once
+from megatron_stare.rollout import EngineWorld, engine_for_rank
+from megatron_stare.rollout.data_parallel import check_prompt_major, gather_results, replica_slice
+from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn, multiturn_metrics
+from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
+from megatron_stare.trainer.async_rollouts import AsyncRollouts
+from megatron_stare.trainer.metrics import MetricsLogger, Timer
+from megatron_stare.weight_sync.export import iter_hf_buckets
+from megatron_stare.weight_sync.hf_export import write_hf_checkpoint
+from megatron_stare.compat.host_memory import keep_freed_memory
+from megatron_stare.plan import planner as plan
+from megatron_stare.runtime.rendezvous import RendezvousError
+from megatron_stare.weight_sync import update_verified
 
 
 class Trainer:
     """Builds every part from the config, then ``fit()`` runs the steps."""
 
     def __init__(self, cfg: Config, preemption: Optional[Preemption] = None, console: Optional[Console] = None):
-        from transformers import AutoTokenizer
-
         from megatron_stare.actor import ActorSettings, MegatronActor
-        from megatron_stare.algorithms.gepo import GepoShaper
-        from megatron_stare.algorithms.off_policy import run_off_policy
-        from megatron_stare.algorithms.stare import StareController
-        from megatron_stare.data import load_run_data
-        from megatron_stare.metrics import MetricsLogger, Timer
-        from megatron_stare.models.provider import load_hf_weights, model_shape, spec_from_hf_config
-        from megatron_stare.parallel import ParallelLayout, init_distributed
-        from megatron_stare.plan import resolve_recompute
-
-        from megatron_stare.rewards import check_reward_config
 
         self.cfg = cfg
         self.keep_host_memory = cfg.trainer.keep_host_memory and not torch.cuda.is_available()
         if self.keep_host_memory:
-            from megatron_stare.compat.host_memory import keep_freed_memory
-
             keep_freed_memory()  # before the model and engine allocate
         # First (unless main() did it already): a preemption signal during the (long) set-up is
         # recorded, not fatal, and the run stops at the first step boundary.
@@ -141,8 +152,6 @@ class Trainer:
         self.verified_tensors = 0  # tensors whose checksums matched after the last sync (verify_sync)
         # Every rank scores its share of each batch (rewards/sharded.py); the engine's spec
         # says which ranks host an engine and which generate (rollout/spec.py).
-        from megatron_stare.rewards import RewardPool
-        from megatron_stare.rollout import EngineWorld, engine_for_rank
 
         self.pool = RewardPool(cfg.reward)
         self.engine_spec, self.engine = engine_for_rank(cfg, EngineWorld.from_env())
@@ -169,8 +178,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Optional[int]:
         """Run the steps; returns None when done, or the step a preemption stopped the run at."""
-        from megatron_stare.async_rollouts import AsyncRollouts
-
         first_sync(self)  # the engine serves exactly the trainer's (possibly resumed) weights
         self.version = self.start_step  # policy version: steps trained into the engine's weights
         self.probe_engine(self.start_step)
@@ -277,8 +284,6 @@ class Trainer:
         """Phases 1-3, repeated while DAPO dynamic sampling asks for more prompt groups. Every
         rank runs this loop on the same gathered results and shared scores, so every rank draws
         the same prompts, keeps the same groups and makes the same generate calls."""
-        from megatron_stare.generation import GroupSelector, ScoredBatch, sampling_params
-
         selector = GroupSelector(self.cfg)
         self.recovery.new_step()
         generated: list = []  # every generation batch's results (multi-turn metrics)
@@ -297,8 +302,6 @@ class Trainer:
             generated += results
         samples, stats = selector.finish()
         if self.cfg.rollout.multi_turn.env:
-            from megatron_stare.rollout.multiturn import multiturn_metrics
-
             stats.multiturn = multiturn_metrics(generated)
         if not samples:
             t = self.cfg.trainer
@@ -311,8 +314,6 @@ class Trainer:
     def generate(self, prompts, params):
         """Phase 1: each engine replica generates its own slice of the prompts, seeded by their
         batch indices (``rollout/data_parallel.py``); None on ranks that do not generate."""
-        from megatron_stare.rollout.data_parallel import replica_slice
-
         d = self.engine_spec.devices
         part = replica_slice(len(prompts), d.replica, d.replicas) if d.generates else None
         mt = self.cfg.rollout.multi_turn
@@ -323,8 +324,6 @@ class Trainer:
             return None
         if not mt.env:
             return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
-        from megatron_stare.envs import make_env
-        from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
 
         def new_env(j: int):  # one environment per trajectory, reset with its task
             env = make_env(mt.env, self.tokenizer, mt.env_options)
@@ -338,8 +337,6 @@ class Trainer:
     def gather(self, results, num_prompts: int, n: int):
         """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica
         contributes), and checks it is the whole batch."""
-        from megatron_stare.rollout.data_parallel import check_prompt_major, gather_results
-
         gathered = gather_results(results, self.engine_spec.devices.leads_replica)
         check_prompt_major(gathered, num_prompts, n)
         return gathered
@@ -347,8 +344,6 @@ class Trainer:
     def score(self, prompts, results):
         """Phase 3: each response scored once on one rank, the scores shared by all ranks. A
         multi-turn trajectory's score is its environment's reward (identical on every rank)."""
-        from megatron_stare.rewards.sharded import SharedScores, score_once
-
         if self.cfg.rollout.multi_turn.env:
             return SharedScores([float(r.env_reward) for r in results], 0, 0)
 
@@ -368,8 +363,6 @@ class Trainer:
             batches = self.actor.prepare(samples, mini_batches=cfg.trainer.mini_batches_per_step)
             stats = self.actor.compute_logprobs(batches)
             if self.gepo is not None:
-                from megatron_stare.algorithms.gepo import shape_batches
-
                 shape_batches(self.gepo, batches, len({s.group_id for s in samples}), self.groups.dp_cp_group)
         state = self.controller.update(stats.entropy)
         plans = self.actor.loss_plans(batches, step, state)
@@ -403,8 +396,6 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Stream the trainer's weights, as HF tensors in bounded buckets, into the engine."""
-        from megatron_stare.models.export import iter_hf_buckets
-
         colocated = self.engine_spec.traits.colocated  # else pieces: two buckets on the sending rank
         buckets = iter_hf_buckets(self.actor.model, self.groups, self.model_spec,
                                   bucket_bytes=self.engine_spec.sync_bucket_bytes,
@@ -415,8 +406,6 @@ class Trainer:
         elif self.cfg.rollout.verify_sync != "checksums":
             self.engine.update_weights_from_buckets(buckets)
         else:
-            from megatron_stare.weight_sync import update_verified
-
             self.verified_tensors = update_verified(self.engine, buckets)  # checksums on both sides
         if self.recovery.active:  # a server lost in the push (or before): back, and pushed to again
             agreed = self.recovery.agree()
@@ -433,11 +422,10 @@ class Trainer:
     def probe_engine(self, version: int) -> None:
         """After the sync that installed policy ``version`` (engine awake): when due, the engine
         generates the probe and the trainer scores it, now if its weights are on the device,
-        else at the next onload (``weight_sync/probe.py``)."""
+        else at the next onload (``trainer/sync_probe.py``)."""
         if self.probe is None or not (self.probe.due(version) or self._probe_now):
             return
         self._probe_now = False
-        from megatron_stare.rollout.data_parallel import replica_slice
 
         with self.timer("sync_probe"):
             prompts, d = self.probe.prompts, self.engine_spec.devices
@@ -463,8 +451,6 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """avg@k / pass@k on the eval set: generate, gather, score, as in a step."""
-        from megatron_stare.generation import ScoredBatch, eval_metrics, sampling_params
-
         prompts = list(self.eval_set)
         params = sampling_params(self.engine_spec.eval_sampling, seed=self.cfg.trainer.seed * 7919 + step)
         results = self.gather(self.generate(prompts, params), len(prompts), params.n)
@@ -489,8 +475,6 @@ class Trainer:
         self.save_clock.saved()
 
     def _resume(self) -> None:
-        from megatron_stare.checkpoint import latest_complete, load_checkpoint
-
         c = self.cfg.checkpoint
         if c.resume == "never" or (c.resume == "auto" and not c.dir):
             return
@@ -510,8 +494,6 @@ class Trainer:
 
     def export_hf(self, step: int) -> None:
         """Write the current policy as an HF checkpoint (safetensors + config + tokenizer)."""
-        from megatron_stare.models.hf_export import write_hf_checkpoint
-        from megatron_stare.models.provider import load_hf_config
 
         with trainer_turn(self):
             write_hf_checkpoint(self.actor.model, self.groups, self.model_spec,
@@ -568,8 +550,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
     args = ap.parse_args(argv)
     if args.dry_run:
-        from megatron_stare import plan
-
         extra = ["--world-size", str(args.world_size or int(os.environ.get("WORLD_SIZE", "1"))),
                  "--gpu-mem-gb", str(args.gpu_mem_gb)]
         return plan.main(["--config", args.config, *extra, *args.overrides])
@@ -605,11 +585,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # rendezvous error is a node's own (rank 0 may never see it): one line per node. Any
         # other exception - a library's ValueError included - is a crash with its traceback
         # (errors.py says why the two are kept apart).
-        from megatron_stare.rendezvous import RendezvousError
 
         first = "LOCAL_RANK" if isinstance(e, RendezvousError) else "RANK"
         if int(os.environ.get(first, "0")) == 0:
-            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            notices.say(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
         write_status(2)
         return 2
     except (SyncCheckError, EngineLost, RanDry) as e:
@@ -618,7 +597,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # server lost past its restarts is such a check too (rollout/recovery.py), and so is
         # DAPO's dynamic sampling running dry (generation.RanDry: on the same shared scores).
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            notices.say(f"error: {str(e).splitlines()[0]}", err=True)
         write_status(1)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C (preemption.py): stopped at once, nothing saved

@@ -12,7 +12,7 @@
 #
 # Usage: scripts/demo.sh [--tiny] [--out runs/demo] [--seed 0] [--steps N] [--target-ratio 0.35] [--quick] [a.b=c ...]
 #   scripts/demo.sh --study    the entropy study instead (every method x 3 seeds; docs/study.md;
-#                              python -m megatron_stare.demo.study; about 2 hours, resumable)
+#                              python -m megatron_stare.study.v2; about 2 hours, resumable)
 #   scripts/demo.sh --study --task hop_path   study v2 (docs/study.md, "Study v2"; scripts/study_v2.sh)
 # Environment: VENV (.venv), NO_VLLM=1 to bootstrap without vLLM (then only --tiny runs).
 set -euo pipefail
@@ -22,7 +22,7 @@ VENV=$VENV bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 MODULE=megatron_stare.demo.run
 if [[ ${1:-} == --study ]]; then
-  MODULE=megatron_stare.demo.study
+  MODULE=megatron_stare.study.v2
   shift
 fi
 exec "$VENV/bin/python" -m "$MODULE" "$@"

@@ -17,7 +17,7 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 STAGES=("0|grpo stare_c2 dapo" "0 1 2|grpo stare_c2 dapo" "0 1 2|stare_o1" "0 1 2|gspo cispo forking_tokens"
         "0 1 2|entropy_bonus clip_cov kl_cov gepo")
 publish() {
-  nice -n 19 "$PY" -m megatron_stare.demo.study --task hop_path --out "$OUT" --report-only "$@" > /dev/null
+  nice -n 19 "$PY" -m megatron_stare.study.v2 --task hop_path --out "$OUT" --report-only "$@" > /dev/null
   mkdir -p docs/study_v2
   cp "$OUT"/study.md "$OUT"/study.json docs/study_v2/
   cp "$OUT"/fig_*.png docs/study_v2/ 2>/dev/null || true
@@ -25,7 +25,7 @@ publish() {
 for stage in "${STAGES[@]}"; do
   seeds=${stage%%|*} methods=${stage#*|}
   # shellcheck disable=SC2086
-  nice -n 19 "$PY" -m megatron_stare.demo.study --task hop_path --out "$OUT" --jobs 1 --seeds $seeds --methods $methods
+  nice -n 19 "$PY" -m megatron_stare.study.v2 --task hop_path --out "$OUT" --jobs 1 --seeds $seeds --methods $methods
   publish
 done
 echo "[study_v2] every stage done"

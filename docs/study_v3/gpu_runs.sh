@@ -10,7 +10,7 @@
 # Here, beforehand: scripts/fetch_gpu_wheels.sh (+ the gguf wheel into wheels/), and
 #   split -n 3 -d <the bootstrap's GGUF> into .gpu_model/{a,b,c}/, the model directory's other files
 #   into .gpu_model/tok/ (.gpu_model/ is in .git/info/exclude).
-# The runs (python -m megatron_stare.demo.study_v3 --gpu) stop at the deadline; what they ran comes
+# The runs (python -m megatron_stare.study.v3 --gpu) stop at the deadline; what they ran comes
 # back in $OUT/results_gpu.tgz (docs/study_v3/results_gpu/ once unpacked here) with their logs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -28,7 +28,7 @@ case "${1:-}" in
     python3 docs/study_v3/gpu_model.py /tmp/model.gguf .gpu_model/tok /tmp/model
     set +e
     # shellcheck disable=SC2086
-    python3 -m megatron_stare.demo.study_v3 --gpu --model /tmp/model --out /tmp/v3 --results /tmp/results_gpu \
+    python3 -m megatron_stare.study.v3 --gpu --model /tmp/model --out /tmp/v3 --results /tmp/results_gpu \
       --jobs "$JOBS" --seeds $SEEDS --methods $METHODS --deadline-s "$SECONDS_LEFT" 2>&1 | tail -60
     rc=${PIPESTATUS[0]}
     tar czf "$OUT/results_gpu.tgz" -C /tmp results_gpu

@@ -8,9 +8,9 @@ METHOD=${1:-grpo}; TARGET=${2:-0.0}; shift 2 || true
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 MODEL=$(.venv/bin/python -c "from megatron_stare.models.fetch import fetch; print(fetch('smollm2-135m-instruct', quiet=True))")
 DATA=runs/v3/data
-[[ -f $DATA/train.parquet ]] || .venv/bin/python -m megatron_stare.demo.word_problems $DATA \
-  --tiers $(.venv/bin/python -c "from megatron_stare.demo.word_problems import STUDY_TIERS as t; print(*t)")
-OV=$(.venv/bin/python -c "from megatron_stare.demo.study_methods import method_overrides as m; import sys; print(' '.join(m(sys.argv[1], shared=('optimizer.lr=1e-4','trainer.prompts_per_step=8'))))" $METHOD)
+[[ -f $DATA/train.parquet ]] || .venv/bin/python -m megatron_stare.study.word_problems $DATA \
+  --tiers $(.venv/bin/python -c "from megatron_stare.study.word_problems import STUDY_TIERS as t; print(*t)")
+OV=$(.venv/bin/python -c "from megatron_stare.study.methods import method_overrides as m; import sys; print(' '.join(m(sys.argv[1], shared=('optimizer.lr=1e-4','trainer.prompts_per_step=8'))))" $METHOD)
 exec nice -n 10 .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_stare.train \
   --config examples/study_real_cpu.yaml model.path=$MODEL data.train_path=$DATA/train.parquet \
   data.eval_path=$DATA/test.parquet logging.dir=runs/v3/$METHOD checkpoint.dir=runs/v3/$METHOD/ckpt \

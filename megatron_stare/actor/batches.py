@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from megatron_stare.actor.types import ActorSettings
-from megatron_stare.batching import plan_rank_batches, sequence_pad_multiple
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.actor.batching import plan_rank_batches, sequence_pad_multiple
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
 
 

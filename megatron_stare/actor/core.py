@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from megatron_stare.actor.batches import prepare_batches
 from megatron_stare.actor.diagnostics import entropy_diagnostics, gather_selected_keys
@@ -26,7 +27,7 @@ from megatron_stare.algorithms.stare import StareState
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.actor.moe_metrics import ExpertLoad, router_loss_metrics
 from megatron_stare.models.provider import build_model_stage
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
 
 
@@ -36,8 +37,6 @@ class MegatronActor:
     def __init__(self, spec: GPTSpec, groups: ParallelGroups, settings: ActorSettings,
                  load_weights: WeightLoader, load_ref_weights: Optional[WeightLoader] = None,
                  trainable: bool = True):
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)
 
         self.spec, self.groups, self.s = spec, groups, settings
         lay = groups.layout

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.actor.loss_plans import mini_batch_input
-from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.diagnostics import entropy_dynamics
 from megatron_stare.algorithms.losses import LossPlan, MiniBatchInput
 from megatron_stare.algorithms.stare import stare_weights
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, cat_padded
 
 DYNAMICS_KEYS = ("pred_dH", "cov", "frac_pos_high", "frac_pos_low", "frac_neg_high", "frac_neg_low")

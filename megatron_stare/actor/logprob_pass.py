@@ -23,7 +23,7 @@ from megatron_stare.actor.token_stats import TokenStats, TokenStatsKernel
 from megatron_stare.actor.types import StepStats
 from megatron_stare.algorithms.aggregation import global_token_mean
 from megatron_stare.algorithms.losses import PolicyLoss
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, cat_padded
 
 

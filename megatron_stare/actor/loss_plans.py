@@ -13,7 +13,7 @@ import torch
 
 from megatron_stare.algorithms.losses import LossPlan, MiniBatchInput, PolicyLoss
 from megatron_stare.algorithms.stare import StareState
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, cat_padded
 
 

@@ -27,10 +27,11 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 from megatron_stare.actor.routing_replay import real_tokens
 from megatron_stare.models.sharding import unwrap
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
 
@@ -94,7 +95,6 @@ def router_loss_metrics(groups: ParallelGroups, num_micro_batches: int) -> Dict[
     The tracker holds, per layer and summed over this rank's micro-batches, the load-balancing
     loss of this rank's tokens (its TP x CP ranks' parts sum to the micro-batch's loss) and the
     z-loss as the mean over this rank's tokens (its TP x CP ranks' means average to it)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
     names = ("load_balancing_loss", "z_loss")

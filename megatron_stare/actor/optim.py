@@ -12,9 +12,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from megatron.core.optimizer import OptimizerConfig as MOptConfig, clip_grads, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from megatron_stare.config import OptimizerConfig
-from megatron_stare.parallel import ParallelLayout
+from megatron_stare.config.load import OptimizerConfig
+from megatron_stare.runtime.parallel import ParallelLayout
 
 
 def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: torch.dtype,
@@ -23,9 +26,6 @@ def build_optimizer(model, o: OptimizerConfig, layout: ParallelLayout, dtype: to
 
     bf16 params get fp32 main params and fp32 gradient accumulation (Megatron's mixed precision).
     """
-    from megatron.core.optimizer import OptimizerConfig as MOptConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = get_megatron_optimizer(
         MOptConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -64,7 +64,6 @@ def use_fused_adam(optimizer) -> int:
     support, or non-float parameters, keep their loop. The flags live in the param groups, which
     a checkpoint load overwrites: ``models/dist_ckpt.load_optimizer`` keeps the running choice.
     """
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     supported, switched = set(_get_fused_kernels_supported_devices()), 0
     for inner in torch_adams(optimizer):
@@ -88,7 +87,6 @@ class StepOutcome:
 
 def guarded_step(optimizer, scheduler, clip_grad: float, loss_value: float) -> StepOutcome:
     """Megatron's step with a non-finite guard: skip (weights untouched) on NaN/inf."""
-    from megatron.core.optimizer import clip_grads
 
     t0 = time.perf_counter()
     optimizer.prepare_grads()

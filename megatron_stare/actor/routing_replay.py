@@ -43,7 +43,7 @@ from torch import Tensor
 
 from megatron_stare.models.gpt import GPTSpec
 from megatron_stare.models.sharding import unwrap
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch, Sample
 
 MODES = ("none", "r3", "r2")

@@ -14,9 +14,10 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_stare.models.torch_attention import PackedRowParams
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
 #: Megatron's ``loss_func``: output tensor of the last stage -> (loss, reduced dict).
@@ -54,7 +55,6 @@ def run_schedule(model, micro_batches: Sequence[MicroBatch], loss_funcs: Sequenc
     """Run ``model`` over ``micro_batches`` with Megatron's schedule; ``loss_funcs[i]`` gets the
     last stage's output of micro-batch ``i`` (called on the last stage only). ``before_forward``:
     called with each micro-batch before its forward on this stage (routing replay's ``feed``)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iter, m):
         mb, loss_func = next(data_iter)

@@ -7,10 +7,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection
-from megatron_stare.config import OptimizerConfig, ParallelConfig
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.config.load import OptimizerConfig, ParallelConfig
+from megatron_stare.runtime.parallel import ParallelGroups
 
 WeightLoader = Callable[[torch.nn.Module, ParallelGroups], None]
 

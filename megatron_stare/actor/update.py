@@ -22,10 +22,10 @@ from megatron_stare.actor.routing_replay import RoutingReplay
 from megatron_stare.actor.schedule import broadcast_from_last_stage, run_schedule
 from megatron_stare.actor.token_stats import TokenStatsKernel
 from megatron_stare.algorithms.aggregation import MetricSums, backward_scale, sequence_token_counts
-from megatron_stare.algorithms.config import StareConfig
+from megatron_stare.config.algorithm import StareConfig
 from megatron_stare.algorithms.losses import LossPlan, PolicyLoss, PolicyLossInput
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.types import MicroBatch
 
 

@@ -3,9 +3,12 @@
 Per step: ``compute_advantages`` -> (optional) ``GepoShaper`` -> ``StareController.update(H)`` ->
 per mini-batch ``loss_fn.plan(...)`` once -> per micro-batch ``loss_fn(inp, plan)``.
 
-The names below are loaded on first access (PEP 562): importing ``megatron_stare.algorithms.config``
+The names below are loaded on first access (PEP 562): importing ``megatron_stare.config.algorithm``
 (the config does) must not pull in torch and every loss.
 """
+
+from megatron_stare.algorithms import advantages, aggregation, gepo, losses, stare
+from megatron_stare.config import algorithm as config
 
 _EXPORTS = {
     "advantages": ("ADVANTAGE_ESTIMATORS", "compute_advantages", "register_advantage"),
@@ -25,7 +28,6 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name: str):
     if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from megatron_stare.algorithms import advantages, aggregation, config, gepo, losses, stare
 
     modules = {"advantages": advantages, "aggregation": aggregation, "config": config, "gepo": gepo,
                "losses": losses, "stare": stare}

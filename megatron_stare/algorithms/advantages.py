@@ -13,7 +13,7 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor
 
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 
 GRPO_EPS = 1e-6
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
-from megatron_stare.algorithms.config import GepoConfig
+from megatron_stare.config.algorithm import GepoConfig
 from megatron_stare.types import cat_padded
 
 

@@ -30,10 +30,10 @@ from torch import Tensor
 from megatron_stare.algorithms import cov as cov_ops
 from megatron_stare.algorithms.aggregation import (AGG_MODES, LossDenominators, MetricSums, aggregate,
                                                    compute_loss_denominators)
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.kl import kl_penalty, resolve_kl_type
 from megatron_stare.algorithms.off_policy import sequence_sums
-from megatron_stare.config_fields import ConfigError
+from megatron_stare.config.fields import ConfigError
 from megatron_stare.algorithms.stare import (StareSelection, StareState, broadcast_advantages, stare_global_selection,
                                              stare_k, stare_weights)
 from megatron_stare.ops.selection import TopKThreshold, topk_threshold

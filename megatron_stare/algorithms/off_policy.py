@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
-from megatron_stare.algorithms.config import AlgorithmConfig, OffPolicyConfig, parse_off_policy
+from megatron_stare.config.algorithm import AlgorithmConfig, OffPolicyConfig, parse_off_policy
 
 
 @dataclass(frozen=True)

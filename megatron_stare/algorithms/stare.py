@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_stare.algorithms.config import StareConfig
+from megatron_stare.config.algorithm import StareConfig
 from megatron_stare.ops.selection import TopKThreshold, topk_mask, topk_thresholds
 
 

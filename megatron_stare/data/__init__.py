@@ -16,7 +16,7 @@ The schema (verl's): ``prompt`` a string or chat messages, ``reward_model.ground
 
 from typing import Any, Optional, Tuple
 
-from megatron_stare.config_sections import DataConfig
+from megatron_stare.config.sections import DataConfig
 from megatron_stare.data.prompts import (SKIP_REPORT, DataReport, Prompt, PromptDataset, apply_template, get_key,
                                          load_prompts, tokenize, validate_file)
 from megatron_stare.data.readers import DataError, read_rows

@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron_stare.config_sections import DataConfig  # not config: the preflight (under config) reads data
+from megatron_stare.config.sections import DataConfig  # not config: the preflight (under config) reads data
 from megatron_stare.data.readers import DataError, read_rows
 
 __all__ = ["DataReport", "Prompt", "PromptDataset", "SKIP_REPORT", "apply_template", "check_row", "describe_columns",

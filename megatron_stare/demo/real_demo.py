@@ -1,7 +1,7 @@
 """The real-model demo, ``scripts/demo.sh``'s default: GRPO and STARE C2 on SmolLM2-135M-Instruct.
 
 The pretrained chat model the bootstrap fetches (``models/fetch.py``) is trained on the word
-problems (``demo/word_problems.py``, the study mix) with ``examples/demo_real_cpu.yaml``: colocated
+problems (``study/word_problems.py``, the study mix) with ``examples/demo_real_cpu.yaml``: colocated
 vLLM-CPU at DP2 on 2 ranks, a batch small enough that both runs fit in about 15 minutes on 2 cores.
 Both runs start from the same weights, prompts and sampling seeds, so their first step samples the
 same responses: that step's token-mean entropy (the trainer's ``stare/entropy``, at the rollout's
@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
+from megatron_stare.study.word_problems import write_split
+import importlib.util
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "demo_real_cpu.yaml"
@@ -44,9 +46,7 @@ QUICK = RealDemoSize(steps=1, n_train=8, n_test=4, tiers=(0, 1), eval_every=1,
 
 def prepare(out: Path, seed: int, size: RealDemoSize, log) -> Dict[str, str]:
     """Fetch (or find) the model and write the data; returns their paths."""
-    import importlib.util
 
-    from megatron_stare.demo.word_problems import write_split
     from megatron_stare.models.fetch import FetchError, fetch
 
     if "rollout.engine=hf" not in size.extra and importlib.util.find_spec("vllm") is None:

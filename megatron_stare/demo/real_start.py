@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_stare.demo.word_problems import compute_score, ends_with_number, states_answer
+from megatron_stare.study.word_problems import compute_score, ends_with_number, states_answer
 
 
 def grpo_advantages(rewards: List[float]) -> List[float]:

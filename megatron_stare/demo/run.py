@@ -13,7 +13,7 @@ and settings, about 5 minutes:
 1. A tiny Qwen2-style model and byte-level BPE tokenizer, built offline (``<out>/base``).
 2. A supervised warm start on ``pick_sum`` ("Pick 2 of 3 7 1 8 5 2 that sum to 9:" -> " 7+2"; several
    correct answers per prompt), trained on a diverse set of correct answers and stopped at partial
-   sampled accuracy (``demo.warm_start``; ``<out>/sft``, an HF checkpoint directory).
+   sampled accuracy (``study.warm_start``; ``<out>/sft``, an HF checkpoint directory).
 3. The start entropy H0 is measured by sampling the warm start like the rollout does;
    STARE's target is ``--target-ratio * H0`` (the study's ratio).
 4. GRPO and STARE (the study's tuned settings, ``study_methods``) from that same start, one after
@@ -40,6 +40,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+from megatron_stare.demo import real_demo
+from megatron_stare.study.methods import method_overrides
+from megatron_stare.study.warm_start import prepare_warm_start
+from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH, held_out_k, plot_runs, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "study_cpu.yaml"
@@ -80,7 +84,6 @@ def _log(msg: str) -> None:
 
 def prepare(s: DemoSettings) -> dict:
     """Build the base model, the data, and the warm start; measure H0 and the start accuracy."""
-    from megatron_stare.demo.warm_start import prepare_warm_start
 
     t0 = time.perf_counter()
     st = prepare_warm_start(Path(s.out), s.seed, quick=s.quick, eval_prompts=128, log=_log)
@@ -94,7 +97,6 @@ def prepare(s: DemoSettings) -> dict:
 
 
 def trainer_overrides(s: DemoSettings, method: str, target: float, log_dir: Path) -> List[str]:
-    from megatron_stare.demo.study_methods import method_overrides
 
     out = Path(s.out)
     ov = ["parallel.tp=2", f"model.path={out / 'sft'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
@@ -139,7 +141,6 @@ def run_rl(label: str, config: Path, overrides: Sequence[str], log_dir: Path, st
 
 def _last_eval(rows: Sequence[dict], kind: str) -> float:
     """The last held-out ``eval/<kind>@k`` (``avg`` or ``pass``, k the run's samples per problem), or nan."""
-    from megatron_stare.metrics import held_out_k
 
     key = f"eval/{kind}@{held_out_k(rows)}"
     return next((float(r[key]) for r in reversed(rows) if key in r), math.nan)
@@ -151,7 +152,6 @@ def summarize(rows: Sequence[dict], target: float) -> dict:
     the last evaluation ('pass@1' / 'pass@8' keep the tiny demo's names for avg@k / pass@k).
     'After gate' = from the first step whose entropy is below the target (the STARE gate's first
     firing) to the end."""
-    from megatron_stare.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH
 
     ent = [float(r[ENTROPY]) for r in rows]
     acc = [float(r[ACCURACY]) for r in rows]
@@ -214,10 +214,6 @@ def run_real(s: DemoSettings) -> dict:
     """The real model's pipeline (the default); returns (and writes) the summary. GRPO runs first;
     its first step's entropy, the start's (both runs sample the same responses there), sets
     STARE's target."""
-    from megatron_stare.demo import real_demo
-    from megatron_stare.demo.study_methods import method_overrides
-    from megatron_stare.metrics import ENTROPY, read_metrics
-
     t0 = time.perf_counter()
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,8 +242,6 @@ def run_real(s: DemoSettings) -> dict:
 
 def finish(s: DemoSettings, start: dict, paths: Dict[str, Path], target: float, t0: float) -> dict:
     """The figure, the summary file and the side-by-side table."""
-    from megatron_stare.metrics import held_out_k, plot_runs, read_metrics
-
     png = plot_runs({k: str(v) for k, v in paths.items()}, str(Path(s.out) / "demo.png"),
                     target_entropy=(BAND[0] * target, BAND[1] * target))
     rows = {label: read_metrics(str(p)) for label, p in paths.items()}
@@ -268,7 +262,6 @@ def run_demo(s: DemoSettings) -> dict:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> DemoSettings:
-    from megatron_stare.demo import real_demo
 
     ap = argparse.ArgumentParser(prog="python -m megatron_stare.demo.run", description=__doc__.split("\n")[0])
     d = DemoSettings()

@@ -8,7 +8,7 @@ run of ``examples/tool_use_cpu.yaml`` (``launch/train_tool_use_cpu.sh`` does bot
 3. a supervised warm start on correct tool-using trajectories (``<out>/sft``): the model's turn
    ``<calc>347*28</calc>`` + EOS, the calculator's observation ``<result>9716</result>`` (the
    real tool's answer, as the environment's token ids; not trained), then the model's turn
-   ``<answer>9716</answer>`` + EOS. It stops at a partial sampled accuracy (``demo.sft``), read
+   ``<answer>9716</answer>`` + EOS. It stops at a partial sampled accuracy (``study.sft``), read
    from real multi-turn rollouts: ``generate_multiturn`` through the ``hf`` engine with the
    ``calculator`` environment, as the trainer samples them.
 
@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_stare.demo.sft import PolicyStats, SftSettings, train_sft
+from megatron_stare.study.sft import PolicyStats, SftSettings, train_sft
+from megatron_stare.envs import make_env
+from megatron_stare.models.tiny import build_tiny_hf_model
+from megatron_stare.rewards.synthetic import make_task, write_jsonl
+from megatron_stare.rollout import SamplingParams
+from megatron_stare.rollout.hf_engine import HFEngine
+from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tool_use_cpu.yaml"
@@ -52,7 +58,6 @@ def tool_trajectory(tok, row: dict) -> tuple:
     """``(token ids, labels)`` of a correct tool-using trajectory for a ``mul`` row: labels on
     the model's turns (EOS included), -100 on the prompt and on the calculator's observation,
     which comes from the real ``calculator`` environment as token ids."""
-    from megatron_stare.envs import make_env
 
     a, b = OPERANDS.search(row["prompt"]).groups()
     prompt = tok(row["prompt"])["input_ids"]
@@ -69,10 +74,6 @@ def multiturn_probe(base_dir: str):
     """A ``train_sft`` probe: the sampled tool-use accuracy of the model being trained, from
     multi-turn rollouts (temperature 1, the ``calculator`` environment) through an ``hf``
     engine that receives the model's weights at each probe."""
-    from megatron_stare.envs import make_env
-    from megatron_stare.rollout import SamplingParams
-    from megatron_stare.rollout.hf_engine import HFEngine
-    from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
 
     engine = HFEngine(base_dir)
 
@@ -96,8 +97,6 @@ def multiturn_probe(base_dir: str):
 
 def prepare(s: ToolUseSettings, log=print) -> PolicyStats:
     """Base model, ``<out>/data/train.jsonl`` and the warm start ``<out>/sft``; its probe stats."""
-    from megatron_stare.models.tiny import build_tiny_hf_model
-    from megatron_stare.rewards.synthetic import make_task, write_jsonl
 
     out = Path(s.out)
     base = build_tiny_hf_model("qwen2", out / "base", seed=s.seed)

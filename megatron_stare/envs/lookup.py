@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Type
 
-from megatron_stare.dotted import resolve
+from megatron_stare.config.dotted import resolve
 from megatron_stare.envs import calculator  # noqa: F401 - register the built-ins
 from megatron_stare.envs.base import ENVIRONMENTS, EnvError, Environment
 

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron_stare.models.layer_specs import local_block_spec
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,6 @@ def build_gpt_stage(spec: GPTSpec, config, *, pre_process: bool, post_process: b
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from megatron_stare.models import moe_router
-    from megatron_stare.models.layer_specs import local_block_spec
 
     if spec.moe is not None:
         moe_router.install()  # the z-loss as the micro-batch's token mean under SP/CP

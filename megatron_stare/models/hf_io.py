@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -26,7 +28,6 @@ class HFCheckpointReader:
     """Lazy access to the tensors of an HF safetensors checkpoint directory."""
 
     def __init__(self, hf_dir: Union[str, Path]) -> None:
-        from safetensors import safe_open
 
         self.dir = Path(hf_dir)
         if (self.dir / INDEX).is_file():
@@ -106,7 +107,6 @@ class HFShardWriter:
         return len(self._shards)
 
     def write(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> Path:
-        from safetensors.torch import save_file
 
         tensors = {n: t.detach().to("cpu").clone().contiguous() for n, t in bucket}
         tmp = f"shard-{len(self._shards):05d}.safetensors.tmp"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from typing import Callable, Dict, List, Optional, Tuple
+import dataclasses
 
 import torch
 
@@ -205,7 +206,6 @@ class MoEFamily(LlamaLikeFamily):
 
     @classmethod
     def spec_from_hf(cls, cfg: dict, *, make_vocab_size_divisible_by: int = 128) -> GPTSpec:
-        import dataclasses
 
         spec = super().spec_from_hf(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         moe = MoESpec(num_experts=num_experts(cfg), topk=int(cfg["num_experts_per_tok"]),

@@ -22,7 +22,7 @@ from megatron_stare.models.llama_like import LlamaLikeMapping
 from megatron_stare.models.moe import per_expert_view
 from megatron_stare.models.registry import family_by_name, family_for_config
 from megatron_stare.models.sharding import load_canonical
-from megatron_stare.parallel import ModelShape, ParallelGroups
+from megatron_stare.runtime.parallel import ModelShape, ParallelGroups
 
 PathLike = Union[str, Path]
 HFSource = Union[PathLike, HFCheckpointReader, Mapping[str, torch.Tensor]]

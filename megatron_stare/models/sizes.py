@@ -1,10 +1,11 @@
 """Sizes of a Llama-like decoder: parameter counts from an HF config and the activation bytes a
-transformer layer saves for backward (used by the dry-run planner, ``megatron_stare.plan``)."""
+transformer layer saves for backward (used by the dry-run planner, ``megatron_stare.plan.planner``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+from megatron_stare.models.registry import family_for_config
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,6 @@ class ParamCounts:
 
 def _spec(hf_config: dict):
     """The ``GPTSpec`` of an HF config dict; ValueError names an unsupported architecture/field."""
-    from megatron_stare.models.registry import family_for_config
 
     return family_for_config(hf_config).spec_from_hf(hf_config)
 

@@ -20,8 +20,11 @@ import json
 import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
+import atexit
+import tempfile
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 #: Special tokens (Qwen-style names); ids 0, 1, 2 of every tiny tokenizer.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -93,8 +96,6 @@ _TOKENIZER_CACHE: Dict[int, bytes] = {}
 def _tokenizer_json(vocab_size: int) -> bytes:
     """A byte-level BPE tokenizer with at most ``vocab_size`` tokens (deterministic)."""
     if vocab_size not in _TOKENIZER_CACHE:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -136,10 +137,6 @@ _CACHE_ROOT: Optional[Path] = None
 def _cache_dir() -> Path:
     global _CACHE_ROOT
     if _CACHE_ROOT is None:
-        import tempfile
-
-        import atexit
-
         _CACHE_ROOT = Path(tempfile.mkdtemp(prefix="tiny_hf_models_"))
         atexit.register(shutil.rmtree, _CACHE_ROOT, True)
     return _CACHE_ROOT

@@ -52,6 +52,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 #: Default budget of one mask tile, in entries times heads (64 MiB of fp32 scores if a kernel
 #: without masked-softmax support materialises them).
@@ -394,8 +395,6 @@ class TorchDotProductAttention(MegatronModule):
             raise ValueError("TorchDotProductAttention supports neither sliding windows nor "
                              "softmax offsets; use the transformer-engine spec")
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = getattr(pg_collection, "cp", None)
         self.cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1

@@ -47,7 +47,7 @@ from megatron_stare.rewards.lookup import get_reward_fn
 from megatron_stare.rewards.registry import RewardError
 
 if TYPE_CHECKING:  # importing the config is for type hints only: reward workers stay light
-    from megatron_stare.config_sections import RewardConfig  # not config: the preflight checks rewards
+    from megatron_stare.config.sections import RewardConfig  # not config: the preflight checks rewards
 
 __all__ = ["VERL_PARAMS", "BoundReward", "RewardRouter", "bind_reward", "build_reward", "check_reward_config",
            "load_worker_spec", "normalize_return", "worker_spec"]

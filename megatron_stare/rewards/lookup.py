@@ -11,7 +11,7 @@ This module sits above the built-in rewards: importing them here registers them.
 
 from __future__ import annotations
 
-from megatron_stare.dotted import resolve
+from megatron_stare.config.dotted import resolve
 from megatron_stare.rewards import hop_path, math_verify_reward, pick_sum, sum_steps, synthetic  # noqa: F401 - register the built-ins
 from megatron_stare.rewards.registry import REWARDS, RewardError, RewardFn
 

@@ -1,6 +1,6 @@
 """A synthetic task with several correct answers per prompt: pick digits that add up to N.
 
-The entropy study (``megatron_stare.demo.study``) needs a task on which collapse has a cost:
+The entropy study (``megatron_stare.study.v2``) needs a task on which collapse has a cost:
 responses of several tokens, several correct responses per prompt, so that a policy can keep
 entropy *among correct answers* (what STARE's reweighting protects) or collapse onto one of them
 (what GRPO does). ``pick_sum`` is such a task::

@@ -35,12 +35,12 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from megatron_stare.preemption import PREEMPTION_SIGNALS, StepInterrupted, ignore_preemption_signals
+from megatron_stare.runtime.preemption import PREEMPTION_SIGNALS, StepInterrupted, ignore_preemption_signals
 from megatron_stare.rewards.contract import build_reward, load_worker_spec, normalize_return, worker_spec
 from megatron_stare.rewards.registry import RewardError, RewardTimeout, deadline, deadline_supported
 
 if TYPE_CHECKING:  # importing the config pulls in torch; workers import this module
-    from megatron_stare.config import RewardConfig
+    from megatron_stare.config.load import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class _Worker:
         mine, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # The preemption signals are ignored first thing, before the (slow) imports.
-        code = ("from megatron_stare.preemption import ignore_preemption_signals as i; i(); "
+        code = ("from megatron_stare.runtime.preemption import ignore_preemption_signals as i; i(); "
                 "from megatron_stare.rewards.pool import _worker_cli; _worker_cli()")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), fn_spec, repr(timeout_s)],
                                      pass_fds=(theirs.fileno(),), env=env)

@@ -1,6 +1,6 @@
 """Score a batch once across the trainer's ranks, and give every rank the same scores.
 
-``score_once`` is step phase 3 (``rollout/phases.py``). Every rank holds the same gathered
+``score_once`` is step phase 3 (``runtime/phases.py``). Every rank holds the same gathered
 responses; rank ``r`` of ``W`` scores responses ``r, r + W, r + 2W, ...`` in its own
 ``RewardPool`` (each response is scored exactly once, the work spread over the ranks), and
 the scores are all-gathered. A call that runs past ``reward.timeout_s`` scores 0 on the rank
@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_stare.preemption import StepInterrupted
+from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.rewards.pool import RewardPool
 from megatron_stare.rewards.registry import RewardError
 

@@ -14,10 +14,10 @@ resolve on first use; engine modules import their heavy dependencies lazily too.
 
 from typing import TYPE_CHECKING, Optional, Tuple
 
-from .spec import EngineSpec, EngineWorld
+from megatron_stare.rollout.spec import EngineSpec, EngineWorld
 
 if TYPE_CHECKING:
-    from .base import RolloutEngine
+    from megatron_stare.rollout.base import RolloutEngine
 
 _FROM_BASE = ("ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams",
               "register_engine", "sample_seed")
@@ -25,7 +25,7 @@ _FROM_BASE = ("ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "
 
 def __getattr__(name: str):
     if name in _FROM_BASE:
-        from . import base
+        from megatron_stare.rollout import base
 
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -37,13 +37,13 @@ __all__ = ["ENGINES", "EngineSpec", "EngineWorld", "GenerationResult", "MemoryRe
 def _register_all() -> None:
     # Lives above the engine modules (they import ``base`` to register themselves); importing
     # them here registers every engine, while their heavy dependencies stay lazy inside them.
-    from . import hf_engine, sglang_engine, sglang_server, vllm_engine, vllm_fleet  # noqa: F401
+    from megatron_stare.rollout import hf_engine, sglang_engine, sglang_server, vllm_engine, vllm_fleet  # noqa: F401
 
 
 def build_engine(name: str, model_path: str, **kwargs) -> "RolloutEngine":
     """Construct the registered in-process engine ``name`` for the HF checkpoint at ``model_path``
     with explicit constructor arguments (the trainer uses ``engine_for_rank`` instead)."""
-    from .base import ENGINES
+    from megatron_stare.rollout.base import ENGINES
 
     _register_all()
     if name not in ENGINES:
@@ -54,7 +54,7 @@ def build_engine(name: str, model_path: str, **kwargs) -> "RolloutEngine":
 def engine_for_rank(cfg, world: EngineWorld) -> Tuple[EngineSpec, Optional["RolloutEngine"]]:
     """``(spec, engine)`` for this rank of a run of ``cfg`` (a ``Config``): the engine is None
     on a rank that hosts none (see ``spec.py`` for the placement of each engine)."""
-    from .base import ENGINES
+    from megatron_stare.rollout.base import ENGINES
 
     _register_all()
     spec = EngineSpec.from_config(cfg, world)

@@ -71,7 +71,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import UserError
+from megatron_stare.errors import UserError
 
 __all__ = ["Launched", "RolloutPipeline", "Span", "decode_in_flight", "encode_in_flight", "overlaps",
            "version_metrics"]
@@ -308,7 +308,7 @@ def decode_in_flight(saved: List[dict], draw: Callable[[int, List[int]], Any], k
     uninterrupted run)."""
     import torch
 
-    from .base import GenerationResult
+    from megatron_stare.rollout.base import GenerationResult
 
     out = []
     for b in saved:

@@ -25,7 +25,7 @@ Preemption inside a step (``step_interrupt.py``): ``generate`` asks ``interrupte
 decode steps (or while it waits on a server) and, once it is True, ends its requests and raises
 ``preemption.StepInterrupted``.
 
-Memory phases (``rollout/phases.py``): ``release_memory()`` (step phase 4), then
+Memory phases (``runtime/phases.py``): ``release_memory()`` (step phase 4), then
 ``resume_weights()`` (6), the weight sync (7), ``resume_kv_cache()`` (8). The base class
 enforces that order (``memory``: AWAKE -> RELEASED -> WEIGHTS -> AWAKE), refuses ``generate``
 unless AWAKE and weight updates unless the weights are resident. An engine that cannot free
@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 from torch import Tensor
 
-from ..weight_sync import TensorChecksum, assemble
-from .phases import EngineMemory
+from megatron_stare.weight_sync import TensorChecksum, assemble
+from megatron_stare.runtime.phases import EngineMemory
 
 if TYPE_CHECKING:
-    from .spec import EngineSpec
+    from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
            "register_engine", "sample_seed"]

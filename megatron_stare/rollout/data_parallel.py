@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 if TYPE_CHECKING:
-    from .base import GenerationResult
+    from megatron_stare.rollout.base import GenerationResult
 
 __all__ = ["check_prompt_major", "gather_results", "replica_slice"]
 

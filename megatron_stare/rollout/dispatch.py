@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, List, Literal, Optional, Sequence, Set, TypeVar
 
-from .interruptible import run_requests
+from megatron_stare.rollout.interruptible import run_requests
 
 __all__ = ["POLICIES", "UNFINISHED", "BackendLost", "DispatchStats", "Dispatcher"]
 

@@ -35,11 +35,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..preemption import StepInterrupted
-from ..weight_sync import TensorChecksum, tensor_checksum
-from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+from megatron_stare.runtime.preemption import StepInterrupted
+from megatron_stare.weight_sync import TensorChecksum, tensor_checksum
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
-from .spec import EngineSpec
+from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["HFEngine", "filter_logits", "hf_engine_kwargs", "score_tokens"]
 

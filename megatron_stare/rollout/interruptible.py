@@ -13,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable, List, TypeVar
 
-from ..preemption import StepInterrupted
+from megatron_stare.runtime.preemption import StepInterrupted
 
 __all__ = ["ABORT_WAIT_S", "POLL_S", "run_requests"]
 

@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..envs.base import Environment
-from .base import GenerationResult, RolloutEngine, SamplingParams, batch_indices, sample_seed
+from megatron_stare.envs.base import Environment
+from megatron_stare.rollout.base import GenerationResult, RolloutEngine, SamplingParams, batch_indices, sample_seed
 
 __all__ = ["MultiTurnLimits", "Trajectory", "generate_multiturn", "multiturn_metrics"]
 

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .base import GenerationResult, RolloutEngine, SamplingParams
+from megatron_stare.rollout.base import GenerationResult, RolloutEngine, SamplingParams
 
 __all__ = ["PartialResponse", "SegmentedBatch", "segment_seed"]
 

@@ -9,7 +9,7 @@ all-reduce (``agree``) of what the driver's fleet reports:
   seeds: the answers an uninterrupted run would have got), until none is left;
 - ``resync``: a push broke mid-way (a server died or hung in it): push again;
 - ``probe``: a server came back since the last probe: the sync probe checks the push that
-  reached it (``weight_sync/probe.py``), whatever ``verify_sync_every`` says;
+  reached it (``trainer/sync_probe.py``), whatever ``verify_sync_every`` says;
 - ``fatal``: a server was lost past ``rollout.max_engine_restarts``: every rank raises
   ``EngineLost`` (the driver's holds the line), and nothing of the step is saved.
 
@@ -26,8 +26,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import GenerationResult
-from .vllm_fleet import EngineLost, PartialGeneration, VLLMServerFleet
+from megatron_stare.rollout.base import GenerationResult
+from megatron_stare.rollout.vllm_fleet import EngineLost, PartialGeneration, VLLMServerFleet
 
 __all__ = ["Agreement", "EngineRecovery"]
 

@@ -15,7 +15,7 @@ import sys
 import urllib.parse
 from typing import Optional, Sequence
 
-from megatron_stare.config import ConfigError, load_config
+from megatron_stare.config.load import ConfigError, load_config
 from megatron_stare.rollout.spec import EngineDevices, EngineSpec, EngineWorld
 
 

@@ -63,15 +63,15 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 from torch import Tensor
 
-from ..errors import UserError
-from ..weight_sync import free_port, iter_buckets
-from .base import MemoryRelease, register_engine
-from .http import ErrorReply
-from .phases import EngineMemory
-from .sglang_server import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
-from .spawned import SpawnedServer
-from .spec import EngineSpec
-from .vllm_server import ServerCommand
+from megatron_stare.errors import UserError
+from megatron_stare.weight_sync import free_port, iter_buckets
+from megatron_stare.rollout.base import MemoryRelease, register_engine
+from megatron_stare.rollout.http import ErrorReply
+from megatron_stare.runtime.phases import EngineMemory
+from megatron_stare.rollout.sglang_server import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
+from megatron_stare.rollout.spawned import SpawnedServer
+from megatron_stare.rollout.spec import EngineSpec
+from megatron_stare.rollout.vllm_server import ServerCommand
 
 __all__ = ["SGLangEngine", "colocated_command", "engine_kwargs", "serialize_for_ranks"]
 

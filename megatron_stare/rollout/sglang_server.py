@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
+from megatron_stare.weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
                            route_address, send_each)
-from ..errors import UserError
-from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+from megatron_stare.errors import UserError
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
-from .http import EngineFailure, request_json
-from .routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
-from .interruptible import run_requests
-from .spec import EngineSpec
-from .vllm_server import ServerCommand
+from megatron_stare.rollout.http import EngineFailure, request_json
+from megatron_stare.rollout.routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
+from megatron_stare.rollout.interruptible import run_requests
+from megatron_stare.rollout.spec import EngineSpec
+from megatron_stare.rollout.vllm_server import ServerCommand
 
 __all__ = ["RAW_LOGPROB_ENV", "SEED_NOTICE", "SGLangServerEngine", "check_logprob_env", "moe_kwargs",
            "server_command", "sglang_rows", "to_result"]

@@ -30,13 +30,16 @@ import urllib.error
 import urllib.request
 from typing import Dict, Mapping, Sequence
 
-from ..console import CONSOLE_ONLY_ENV
-from .http import EngineFailure
-from .server_guard import guarded
+from megatron_stare.rollout.http import EngineFailure
+from megatron_stare.rollout.server_guard import guarded
 
 __all__ = ["SpawnedServer", "TORCHRUN_VARS", "end_group", "server_environ"]
 
 log = logging.getLogger(__name__)
+
+CONSOLE_ONLY_ENV: set = set()
+"""Environment variables the console set for this process only (``trainer.console``), which a
+spawned server must not inherit: it logs on its own terms, into its log file."""
 
 #: A torchrun worker's own variables (besides every ``TORCHELASTIC_*``), which a spawned server
 #: must not inherit.

@@ -25,7 +25,7 @@ Placement (``ENGINE_TRAITS``), per engine:
 
 Log-probs: every engine returns the log-prob of the sampled token under the distribution it
 sampled from, ``softmax(logits / temperature)`` (see ``rollout/base.py``); the config
-refuses top-p/top-k for training rollouts (``config_checks.py``), so that distribution is the
+refuses top-p/top-k for training rollouts (``preflight/checks.py``), so that distribution is the
 one the trainer's log-prob pass computes.
 
 Memory: on GPUs an engine takes ``rollout.gpu_memory_utilization`` of each GPU; a vLLM engine
@@ -39,11 +39,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple
 
-from megatron_stare.config_fields import ConfigError
+from megatron_stare.config.fields import ConfigError
 from megatron_stare.rollout import vllm_cpu
 
 if TYPE_CHECKING:
-    from megatron_stare.config_sections import Config
+    from megatron_stare.config.sections import Config
 
 __all__ = ["DRIVER", "ENGINE_TRAITS", "EngineDevices", "EngineSpec", "EngineTraits", "EngineWorld", "RecoveryLimits",
            "SamplingDefaults"]

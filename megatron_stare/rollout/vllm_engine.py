@@ -37,19 +37,20 @@ import logging
 import os
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import gc
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UserError
-from ..preemption import StepInterrupted
-from ..weight_sync import TensorChecksum
-from .base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
+from megatron_stare.errors import UserError
+from megatron_stare.runtime.preemption import StepInterrupted
+from megatron_stare.weight_sync import TensorChecksum
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
                    sample_seed)
-from . import vllm_cpu
-from .routed_experts import capture_unavailable, moe_layers, to_result_layout
-from .spec import EngineSpec
+from megatron_stare.rollout import vllm_cpu
+from megatron_stare.rollout.routed_experts import capture_unavailable, moe_layers, to_result_layout
+from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "from_vllm_output", "llm_kwargs", "to_vllm_sampling_params"]
 
@@ -152,7 +153,6 @@ class VLLMEngine(RolloutEngine):
                              "(tensors cannot cross the multiprocess RPC); unset it or use the "
                              "vllm-server engine")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        import torch.distributed as dist
         from vllm import LLM
 
         self.cpu = not torch.cuda.is_available()
@@ -185,7 +185,6 @@ class VLLMEngine(RolloutEngine):
     def _remove_stale_shm() -> None:
         """Leftovers of a killed run would stop the TP group's start (``vllm_cpu.remove_stale_shm``):
         one rank per node removes them while the others wait."""
-        import torch.distributed as dist
 
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             gone = vllm_cpu.remove_stale_shm()
@@ -300,7 +299,6 @@ class VLLMEngine(RolloutEngine):
     def shutdown(self) -> None:
         if getattr(self, "llm", None) is None:
             return
-        import gc
 
         del self.llm
         self.llm = None

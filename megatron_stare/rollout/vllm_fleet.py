@@ -54,12 +54,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 
 from torch import Tensor
 
-from ..weight_sync import SyncStats, TensorChecksum
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine
-from .dispatch import UNFINISHED, BackendLost, Dispatcher, DispatchStats
-from .http import EngineFailure
-from .spec import EngineSpec, RecoveryLimits
-from .vllm_server import VLLMServerEngine
+from megatron_stare.weight_sync import SyncStats, TensorChecksum
+from megatron_stare.rollout.base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine
+from megatron_stare.rollout.dispatch import UNFINISHED, BackendLost, Dispatcher, DispatchStats
+from megatron_stare.rollout.http import EngineFailure
+from megatron_stare.rollout.spec import EngineSpec, RecoveryLimits
+from megatron_stare.rollout.vllm_server import VLLMServerEngine
 
 __all__ = ["EngineLost", "PartialGeneration", "VLLMServerFleet"]
 

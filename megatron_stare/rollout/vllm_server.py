@@ -69,21 +69,22 @@ import urllib.request
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import shlex
 
 import torch
 from torch import Tensor
 
-from ..errors import UserError
-from ..weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
-from .base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
-from .http import EngineFailure, ErrorReply, InFlight, request_json
-from .interruptible import run_requests
-from .routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
-from .server_guard import guarded
-from .spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
-from .spec import EngineSpec
-from . import vllm_cpu
-from .vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
+from megatron_stare.errors import UserError
+from megatron_stare.weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
+from megatron_stare.rollout.base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
+from megatron_stare.rollout.http import EngineFailure, ErrorReply, InFlight, request_json
+from megatron_stare.rollout.interruptible import run_requests
+from megatron_stare.rollout.routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
+from megatron_stare.rollout.server_guard import guarded
+from megatron_stare.rollout.spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
+from megatron_stare.rollout.spec import EngineSpec
+from megatron_stare.rollout import vllm_cpu
+from megatron_stare.rollout.vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
 __all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
 
@@ -101,7 +102,6 @@ class ServerCommand:
 
     def shell(self) -> str:
         """One line for a launch script: ``VAR=... python -m ...``."""
-        import shlex
 
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
                          *(shlex.quote(a) for a in self.argv)])

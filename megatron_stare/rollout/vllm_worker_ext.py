@@ -21,11 +21,12 @@ import json
 import logging
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Tuple
+from datetime import timedelta
 
 import torch
 from torch import Tensor
 
-from ..weight_sync import ProcessGroupReceiver, TensorChecksum, tensor_checksum
+from megatron_stare.weight_sync import ProcessGroupReceiver, TensorChecksum, tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,6 @@ class StareWorkerExtension:
         """Join the trainer's weight-broadcast group. ``spec`` is JSON with ``host``, ``port``,
         ``world_size``, ``rank_offset``, ``backend`` ("gloo"|"nccl"), ``timeout_s``.
         This worker's rank in that group is ``rank_offset`` + its rank in the engine."""
-        from datetime import timedelta
 
         from vllm.distributed.parallel_state import get_world_group
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group

@@ -20,15 +20,16 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_stare.algorithms.advantages import compute_advantages
-from megatron_stare.algorithms.config import AlgorithmConfig, StareConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, StareConfig
 from megatron_stare.algorithms.stare import StareController
-from megatron_stare.config import OptimizerConfig, ParallelConfig
+from megatron_stare.config.load import OptimizerConfig, ParallelConfig
 from megatron_stare.models import moe_router
 from megatron_stare.models.gpt import GPTSpec, MoESpec, transformer_engine_error
 from megatron_stare.models.sharding import load_canonical
-from megatron_stare.parallel import ParallelLayout, init_distributed
+from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 from megatron_stare.testing.megatron_tiny import TINY_SPEC, gather_full_weights, seeded_canonical
 from megatron_stare.types import Sample
+from megatron_stare.actor import ActorSettings, MegatronActor
 
 
 #: A tiny Qwen3-MoE: q/k norms, 8 experts of width 32, top-2 with renormalised probabilities.
@@ -82,8 +83,6 @@ def build_case_actor(groups, *, policy_loss: str = "stare", target_entropy: floa
     (``MOE_SPEC``: experts at the layout's ep/etp, router losses ``moe_router_losses``,
     ``routing_replay`` none | r3 | r2); ``recompute``: ``parallel.recompute``; ``fused_adam``:
     ``optimizer.fused_adam``."""
-    from megatron_stare.actor import ActorSettings, MegatronActor
-
     lay = groups.layout
     algo = AlgorithmConfig(policy_loss=policy_loss, clip_ratio_c=10.0, **(algorithm or {}),
                            stare=StareConfig(variant=variant, top_p=0.2, target_entropy=target_entropy))

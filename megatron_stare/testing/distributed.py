@@ -22,10 +22,14 @@ import os
 import queue
 import traceback
 from typing import Any, Callable, List
+import time
+import multiprocessing
 
 import torch.multiprocessing as mp
+import torch
+import torch.distributed as dist
 
-from megatron_stare.rendezvous import free_port
+from megatron_stare.runtime.rendezvous import free_port
 
 __all__ = ["free_port", "run_on_ranks"]
 
@@ -61,8 +65,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
@@ -89,7 +91,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
                 pass
         # Megatron's checkpoint writer starts a multiprocessing manager that nothing shuts
         # down; left alone it outlives this rank (an orphan holding the test's pipes).
-        import multiprocessing
 
         for child in multiprocessing.active_children():
             child.terminate()
@@ -106,8 +107,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     Raises ``RankFailure`` naming every failing rank (with its traceback), or when a rank dies
     without reporting, or when the whole run exceeds ``timeout`` seconds.
     """
-    import torch.distributed as dist
-
     ctx = _context(os.environ.get("MEGATRON_STARE_TEST_BACKEND", "gloo"))
     results = ctx.Queue()
     # Port 0: the kernel picks a free port while binding, so no other process can race for it.
@@ -121,7 +120,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     for p in procs:
         p.start()
     got: dict = {}
-    import time
 
     deadline = time.monotonic() + timeout
     try:
@@ -169,6 +167,5 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         raise RankFailure(f"{len(failures)} of {world_size} rank(s) failed:\n{text}")
     if len(got) < world_size:
         raise RankFailure(f"only ranks {sorted(got)} of {world_size} reported")
-    import torch
 
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

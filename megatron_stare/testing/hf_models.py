@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Union
 
 import torch
+import torch.distributed as dist
 
 from megatron_stare.models.tiny import DEFAULT_VOCAB, SPECIAL_TOKENS, build_tiny_hf_model
 
@@ -21,7 +22,6 @@ def megatron_logits(model, groups, spec, tokens: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits ``[b, s, V]`` (padding rows trimmed) of ``tokens`` ``[b, s]``
     on every rank: forward-only through Megatron's pipeline schedule, all-gathered over TP,
     broadcast from the last pipeline stage."""
-    import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, seq = tokens.shape

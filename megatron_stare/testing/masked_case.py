@@ -16,7 +16,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from megatron_stare.batching import collate
+from megatron_stare.actor.batching import collate
 from megatron_stare.types import Sample
 
 

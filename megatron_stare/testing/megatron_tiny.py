@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.models.gpt import GPTSpec, build_gpt_stage, transformer_config
-from megatron_stare.models.sharding import load_canonical
-from megatron_stare.parallel import ParallelGroups, ParallelLayout, init_distributed
+from megatron_stare.models.sharding import ExpertGroups, gather_canonical, load_canonical, num_local_experts, unwrap
+from megatron_stare.runtime.parallel import ParallelGroups, ParallelLayout, init_distributed
 
 TINY_SPEC = GPTSpec(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                     num_query_groups=2, vocab_size=250, add_qkv_bias=True, rotary_base=1e6,
@@ -79,8 +79,6 @@ def build_trainable(groups: ParallelGroups, spec: GPTSpec = TINY_SPEC, lr: float
 
 def gather_full_weights(module: torch.nn.Module, groups: ParallelGroups) -> Dict[str, torch.Tensor]:
     """Canonical fp32 CPU weights of the whole model on every rank (test-sized models only)."""
-    from megatron_stare.models.sharding import ExpertGroups, gather_canonical, num_local_experts, unwrap
-
     lay, inner = groups.layout, unwrap(module)
     experts = (ExpertGroups(groups.ep_group, lay.ep, groups.etp_group, lay.etp, num_local_experts(inner))
                if num_local_experts(inner) else None)

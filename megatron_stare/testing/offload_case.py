@@ -15,7 +15,7 @@ from typing import Dict, Iterable
 
 import torch
 
-from megatron_stare.offload import Offloader, _sub_optimizers
+from megatron_stare.trainer.offload import Offloader, _sub_optimizers
 from megatron_stare.algorithms.stare import StareController
 from megatron_stare.testing.actor_case import MOE_SPEC, build_case_actor, case_groups, synthetic_samples
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.models.sharding import is_expert_param, local_params, unshard
-from megatron_stare.parallel import ParallelGroups
+from megatron_stare.runtime.parallel import ParallelGroups
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 

@@ -27,11 +27,12 @@ from megatron_stare.algorithms.stare import StareController
 from megatron_stare.testing.actor_case import MOE_SPEC, build_case_actor, case_groups, gather_full_model, synthetic_samples
 from megatron_stare.testing.megatron_tiny import TINY_SPEC
 from megatron_stare.testing.optimizer_state import gather_optimizer_state
+from megatron_stare.actor.optim import torch_adams
+from megatron_stare.checkpoint import core as checkpoint_core, dist_ckpt
+from megatron_stare.checkpoint.core import latest_complete, load_checkpoint, save_checkpoint
 
 
 def _train_steps(actor, controller, first: int, last: int, root: Optional[Path], save_at: int, record: dict):
-    from megatron_stare.checkpoint import save_checkpoint
-
     for step in range(first, last):
         batches = actor.prepare(synthetic_samples(seed=step))
         stats = actor.compute_logprobs(batches)
@@ -47,8 +48,6 @@ def _train_steps(actor, controller, first: int, last: int, root: Optional[Path],
 
 
 def _break(kind: Optional[str]) -> None:
-    from megatron_stare.models import dist_ckpt
-
     if kind == "param_state":
         request = dist_ckpt._optimizer_sharded_state_dict
 
@@ -60,7 +59,8 @@ def _break(kind: Optional[str]) -> None:
 
         dist_ckpt._optimizer_sharded_state_dict = without_param_state
     elif kind == "main_params":
-        dist_ckpt.reload_main_params = lambda optimizer: None
+        # where it is called: the weights-only resume (checkpoint.core) and load_optimizer
+        dist_ckpt.reload_main_params = checkpoint_core.reload_main_params = lambda optimizer: None
     elif kind == "adam_steps":
         dist_ckpt._restore_adam_steps = lambda optimizer: None
     elif kind == "adam_kernels":
@@ -77,8 +77,6 @@ def run_resume_case(rank: int, world: int, root: str, *, phase: str, tp: int = 1
     ``moe``: the tiny Qwen3-MoE (``MOE_SPEC``) with experts at ``ep``; ``fused_adam``: the
     optimizer's kernel (``optimizer.fused_adam``); ``record["adam_kernels"]``: the torch Adam
     param groups' (fused, foreach) flags at the end."""
-    from megatron_stare.actor.optim import torch_adams
-    from megatron_stare.checkpoint import latest_complete, load_checkpoint
 
     groups = case_groups(world, tp, pp, distributed_optimizer=distributed_optimizer, ep=ep)
     spec = MOE_SPEC if moe else TINY_SPEC

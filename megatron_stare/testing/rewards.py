@@ -1,6 +1,9 @@
 """Rewards for tests: deterministic, cheap, and non-degenerate on an untrained tiny model
 (whose answers are never right), so that advantages, STARE selection and updates are exercised."""
 
+import os
+import time
+
 
 def parity_reward(response: str, answer: str, metadata: dict) -> float:
     """1.0 when the response has an even number of characters, else 0.0."""
@@ -14,9 +17,6 @@ SLOW_RANK_SLEEP_S = 1.0
 def parity_reward_slow_on_rank_1(response: str, answer: str, metadata: dict) -> float:
     """``parity_reward``, except that on rank 1 (``RANK``) every call first sleeps
     ``SLOW_RANK_SLEEP_S``: a verifier slow on one rank only (its calls run past the timeout)."""
-    import os
-    import time
-
     if os.environ.get("RANK") == "1":
         time.sleep(SLOW_RANK_SLEEP_S)
     return parity_reward(response, answer, metadata)
@@ -24,8 +24,6 @@ def parity_reward_slow_on_rank_1(response: str, answer: str, metadata: dict) -> 
 
 def parity_reward_raises_on_rank_1(response: str, answer: str, metadata: dict) -> float:
     """``parity_reward``, except that it raises on rank 1 (``RANK``): a reward bug one rank hits."""
-    import os
-
     if os.environ.get("RANK") == "1":
         raise ValueError("verifier bug on rank 1")
     return parity_reward(response, answer, metadata)
@@ -45,8 +43,6 @@ SLOW_REWARD_S = 5.0
 
 def slow_parity_reward(response: str, answer: str, metadata: dict) -> float:
     """``parity_reward`` after ``SLOW_REWARD_S`` of sleep: a slow verifier (preemption tests)."""
-    import time
-
     time.sleep(SLOW_REWARD_S)
     return parity_reward(response, answer, metadata)
 

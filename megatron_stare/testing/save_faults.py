@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
+from megatron_stare.checkpoint import writer as checkpoint_writer
 
 
 def slow_writer_open(delay_s: float = 60.0):
     """An ``open`` for megatron-core's writer workers (``filesystem_async.open``) that opens like
     ``checkpoint_writer._writer_open``, then holds each tensor file open for ``delay_s`` seconds
     before the worker writes to it."""
-    from megatron_stare import checkpoint_writer
-
     def slow_open(file, mode="r", *args, **kwargs):
         f = checkpoint_writer._writer_open(file, mode, *args, **kwargs)
         if mode == "wb":

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .bucket import Assembler, dtype_name
+from megatron_stare.weight_sync.bucket import Assembler, dtype_name
 
 __all__ = ["TensorChecksum", "compare_checksums", "tensor_checksum"]
 

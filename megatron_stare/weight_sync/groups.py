@@ -28,8 +28,10 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-from .transport import ProcessGroupSender, SyncStats
+from megatron_stare.weight_sync.transport import ProcessGroupSender, SyncStats
 
 __all__ = ["PeerCalls", "form_group", "free_port", "init_named_weight_group", "push_to_group", "route_address"]
 
@@ -131,8 +133,6 @@ def init_named_weight_group(host: str, port: int, rank: int, world_size: int, gr
     rendezvous), a prefix store named after the group. The trainer is rank 0. The default group,
     if any, is left untouched. ``register_as``: the local registry name (default ``group_name``;
     two ends in one process, as in tests, need distinct ones)."""
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
     if listen_socket is not None and rank != 0:

@@ -35,9 +35,10 @@ from typing import Iterable, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
 
-from . import wire
-from .bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
+from megatron_stare.weight_sync import wire
+from megatron_stare.weight_sync.bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
 
 __all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender", "SyncStats"]
 
@@ -221,8 +222,6 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            from torch.profiler import ProfilerActivity, profile
-
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .bucket import FlatBucket, StagingBuffer, TensorMeta, decode_header, encode_header
+from megatron_stare.weight_sync.bucket import FlatBucket, StagingBuffer, TensorMeta, decode_header, encode_header
 
 __all__ = ["AsyncLink", "Link", "Pending", "broadcast", "broadcast_async", "group_link_async", "isend_link", "send_bucket_async", "default_device", "group_link", "recv_bucket", "recv_link", "send_bucket",
            "send_data", "send_each", "send_end", "send_header", "send_link"]

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from megatron_stare.algorithms.config import (CispoConfig, ClipCovConfig, ForkingTokensConfig, GspoConfig, KLCovConfig,
+from megatron_stare.config.algorithm import (CispoConfig, ClipCovConfig, ForkingTokensConfig, GspoConfig, KLCovConfig,
                                               OffPolicyConfig)
 from megatron_stare.testing.actor_case import run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.distributed
 
 def _wait_for_error(saves):
     """(the ``CheckpointError`` line of finalizing the save in flight, or None; seconds it took)."""
-    from megatron_stare.checkpoint import CheckpointError
+    from megatron_stare.checkpoint.core import CheckpointError
 
     t0 = time.monotonic()
     try:
@@ -47,11 +47,12 @@ def _case(rank, world, root):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_stare import checkpoint_manifest, checkpoint_writer
-    from megatron_stare.async_save import BackgroundSaves
-    from megatron_stare.checkpoint import CheckpointError, latest_complete, load_checkpoint, save_checkpoint
-    from megatron_stare.checkpoint_manifest import file_sha256
-    from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
+    from megatron_stare.checkpoint import manifest as checkpoint_manifest
+    from megatron_stare.checkpoint import writer as checkpoint_writer
+    from megatron_stare.checkpoint.async_save import BackgroundSaves
+    from megatron_stare.checkpoint.core import CheckpointError, latest_complete, load_checkpoint, save_checkpoint
+    from megatron_stare.checkpoint.manifest import file_sha256
+    from megatron_stare.checkpoint.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups, gather_full_model
     from megatron_stare.testing.optimizer_state import gather_optimizer_state
     from megatron_stare.testing.save_faults import slow_writer_open

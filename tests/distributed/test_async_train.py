@@ -35,7 +35,8 @@ def _overrides(assets: Path, engine: str, staleness: int, steps: int):
 
 def _run(rank, world, assets: Path, engine: str, staleness: int, steps: int, through_fit: bool, extra=()):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.train import Trainer
 
     cfg = validate_config(load_config(str(ROOT / "examples" / "tiny_cpu.yaml"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare import checkpoint_manifest as cm
+from megatron_stare.checkpoint import manifest as cm
 from megatron_stare.testing.distributed import run_on_ranks
 
 pytestmark = pytest.mark.distributed

@@ -14,8 +14,8 @@
 import pytest
 import torch
 
-from megatron_stare.models.dist_ckpt import CheckpointMeta, check_optimizer_compatible
-from megatron_stare.parallel import ParallelLayout
+from megatron_stare.checkpoint.dist_ckpt import CheckpointMeta, check_optimizer_compatible
+from megatron_stare.runtime.parallel import ParallelLayout
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.resume_case import run_resume_case
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 def _save_two(rank, world, root):
     """Two training steps, a checkpoint after each (step_1, step_2)."""
     from megatron_stare.algorithms.stare import StareController
-    from megatron_stare.checkpoint import save_checkpoint
+    from megatron_stare.checkpoint.core import save_checkpoint
     from megatron_stare.testing.actor_case import build_case_actor, case_groups, synthetic_samples
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
@@ -36,7 +36,7 @@ def _load_all_ways(rank, world, root):
     damaged step_2, and a load of step_1 in which rank 1 alone cannot read its rank file."""
     import warnings
 
-    from megatron_stare import checkpoint
+    from megatron_stare.checkpoint import core as checkpoint
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
@@ -94,7 +94,7 @@ def test_a_broken_dist_checkpoint_meta_file_is_named(tmp_path):
     """Reading a distributed checkpoint without a manifest (checkpoints_convert): the file is named."""
     import re
 
-    from megatron_stare.models import dist_ckpt
+    from megatron_stare.checkpoint import dist_ckpt
 
     (tmp_path / dist_ckpt.META_FILE).write_text("{broken")
     (tmp_path / dist_ckpt.MEGATRON_META).write_text("{}")

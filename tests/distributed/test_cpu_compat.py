@@ -21,7 +21,7 @@ def _train_one_step(rank, world, skip, pp, clip_grad):
 
     cpu_compat.apply(skip=skip)
     try:
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
         from megatron_stare.testing import megatron_tiny as mt
 
         groups = init_distributed(ParallelLayout.from_world(world, pp=pp))
@@ -73,7 +73,7 @@ def _rng_fork_semantics(rank, world):
     cpu_compat.apply()
     from megatron.core import tensor_parallel
 
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout.from_world(world), seed=7)
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -103,7 +103,7 @@ def _tied_pp2(rank, world, skip):
         import dataclasses
 
         from megatron_stare.models.provider import build_model_stage
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
         from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
         groups = init_distributed(ParallelLayout.from_world(world, pp=2))
@@ -124,7 +124,7 @@ def _train_optimizer(rank, world, skip, distributed_optimizer, dtype):
 
     cpu_compat.apply(skip=skip)
     try:
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
         from megatron_stare.testing import megatron_tiny as mt
 
         groups = init_distributed(ParallelLayout.from_world(world, distributed_optimizer=distributed_optimizer))
@@ -194,7 +194,7 @@ def _moe_step(rank, world, skip):
 
         from megatron_stare.models.gpt import MoESpec
         from megatron_stare.models.provider import build_model_stage
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
         from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
         spec = dataclasses.replace(TINY_SPEC, num_layers=2, moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32,
@@ -228,7 +228,7 @@ def _uneven_gather(rank, world, skip):
     try:
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        from megatron_stare.parallel import ParallelLayout, init_distributed
+        from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 
         groups = init_distributed(ParallelLayout.from_world(world, tp=world))
         sizes = [3, 5]

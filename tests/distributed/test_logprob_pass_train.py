@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _steps(rank, world, assets: Path, mode: str, steps: int):
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.train import Trainer
 
     overrides = [f"model.path={assets / 'model'}", f"data.train_path={assets / 'train.jsonl'}",

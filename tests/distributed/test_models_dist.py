@@ -46,10 +46,10 @@ def _still_alive(ref, wait_s=2.0):
 def _layout_worker(rank, world, tp, pp, models, tokens, ckpt_root, export, save, load_tag, damage):
     from safetensors.torch import load_file
 
-    from megatron_stare.models.dist_ckpt import load_model, save_model
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.checkpoint.dist_ckpt import load_model, save_model
+    from megatron_stare.weight_sync.export import ExportStats, iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf, build_model_stage
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.hf_models import megatron_logits
 
     groups = init_distributed(ParallelLayout.from_world(world, tp=tp, pp=pp))
@@ -94,7 +94,7 @@ def _piece_export(rank, model, groups, spec, ref):
     """The weight sync's export (``pieces=True``, dst rank 0, fp32 and bf16): rank 0 writes each
     piece into preallocated HF tensors (allocated before the measurement, so the allocator's
     peak is the exporter's own), every rank measures its peak extra memory."""
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.weight_sync.export import ExportStats, iter_hf_buckets
     from megatron_stare.weight_sync import PeakMemory
 
     out = {}
@@ -217,7 +217,7 @@ def test_damaged_checkpoint_is_refused(runs):
 
 def _linear_rope_worker(rank, world, path, tokens):
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.hf_models import megatron_logits
 
     groups = init_distributed(ParallelLayout.from_world(world, tp=world))
@@ -238,10 +238,10 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
 def _dp2_worker(rank, world, path, ckpt, tokens):
     from safetensors.torch import load_file
 
-    from megatron_stare.models.dist_ckpt import load_model, save_model
-    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.checkpoint.dist_ckpt import load_model, save_model
+    from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf, build_model_stage
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.hf_models import megatron_logits
 
     groups = init_distributed(ParallelLayout.from_world(world))  # dp = 2
@@ -267,9 +267,9 @@ def test_data_parallel_replicas_export_and_save(tmp_path):
 
 
 def _cp2_save_worker(rank, world, path, ckpt):
-    from megatron_stare.models.dist_ckpt import load_model, save_model
+    from megatron_stare.checkpoint.dist_ckpt import load_model, save_model
     from megatron_stare.models.provider import build_from_hf, build_model_stage
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 
     groups = init_distributed(ParallelLayout.from_world(world, cp=2))  # dp = 1
     model, spec, _ = build_from_hf(path, groups)

@@ -38,11 +38,11 @@ QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 
 
 def _worker(rank, world, lay, models, tokens, out_root):
-    from megatron_stare.models.export import iter_hf_buckets
-    from megatron_stare.models.hf_export import write_hf_checkpoint
+    from megatron_stare.weight_sync.export import iter_hf_buckets
+    from megatron_stare.weight_sync.hf_export import write_hf_checkpoint
     from megatron_stare.models.provider import build_from_hf
     from megatron_stare.models.registry import family_by_name
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.hf_models import megatron_logits
 
     groups = init_distributed(ParallelLayout.from_world(world, **lay))

@@ -7,7 +7,7 @@ then two more):
 - across EP layouts (EP2 -> EP1 and EP1 -> EP2, with the distributed optimizer and with the
   plain one) the resume is exact too: weights, fp32 main params and Adam moments identical at
   load (megatron-core keys and nests the experts' state differently at EP1, where they share
-  the dense optimizer: ``models/optimizer_reshard.py`` converts), and the remaining steps equal
+  the dense optimizer: ``checkpoint/optimizer_reshard.py`` converts), and the remaining steps equal
   those of the run that stayed at the saved layout within fp32 round-off (the experts' gradients
   are reduced in another order: measured 2e-8 relative in the grad norm, 4e-9 in the weights).
 """

@@ -28,7 +28,7 @@ def _sync_worker(rank, world, models, cases):
     up again for each layout (the default group stays)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
 
     out = []
     for families, layout, dst in cases:
@@ -41,7 +41,7 @@ def _sync_worker(rank, world, models, cases):
 def _sync_one(rank, groups, src, dst):
     import torch.distributed as dist
 
-    from megatron_stare.models.export import ExportStats, iter_hf_buckets
+    from megatron_stare.weight_sync.export import ExportStats, iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
     from megatron_stare.weight_sync import assemble
 

@@ -28,11 +28,11 @@ MAX_NEW = 6
 def _export_and_sync(rank, world, src, dst, perturbed):
     import torch.distributed as dist
 
-    from megatron_stare.models.export import iter_hf_buckets
-    from megatron_stare.models.hf_export import write_hf_checkpoint
+    from megatron_stare.weight_sync.export import iter_hf_buckets
+    from megatron_stare.weight_sync.hf_export import write_hf_checkpoint
     from megatron_stare.models.provider import build_from_hf
     from megatron_stare.models.registry import family_by_name
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.weight_sync import assemble
 
     groups = init_distributed(ParallelLayout.from_world(world, ep=world))

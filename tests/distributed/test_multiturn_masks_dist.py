@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_stare.algorithms import AlgorithmConfig, StareState
 from megatron_stare.algorithms.stare import stare_global_selection, stare_weights
-from megatron_stare.batching import assign_data_parallel
+from megatron_stare.actor.batching import assign_data_parallel
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.masked_case import masked_case, masked_samples
 

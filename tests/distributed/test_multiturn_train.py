@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.testing.distributed import run_on_ranks
 
 from .test_trainer_phases import assets  # noqa: F401 - the tiny model and task (a module fixture)

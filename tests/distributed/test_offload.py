@@ -14,7 +14,7 @@ the tiny MoE at EP2 with the distributed optimizer (expert weights, grads and op
 import pytest
 import torch
 
-from megatron_stare.offload import Offloader
+from megatron_stare.trainer.offload import Offloader
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.offload_case import run_offload_case
 
@@ -87,8 +87,8 @@ def test_bad_level_is_one_line():
 
 
 def test_offload_needs_an_engine_between_the_trainers_phases():
-    from megatron_stare.config import ConfigError, load_config
-    from megatron_stare.config_checks import check_config
+    from megatron_stare.config.load import ConfigError, load_config
+    from megatron_stare.preflight.checks import check_config
 
     cfg = load_config(None, ["trainer.offload=all", "rollout.engine=vllm-server",
                              "rollout.server_urls=[http://rollout:8000]"])

@@ -1,7 +1,7 @@
 """``trainer.offload`` in the trainer's step (``offload.py``, ``train.py``): two steps of the tiny
 CPU recipe (2 ranks, TP2, the hf engine on the driver, a checkpoint after each step) with
 ``trainer.offload=all`` give the same metrics and the same weights, bit-exact, as without; the
-onload and offload phases run where ``rollout/phases.py`` puts them; and between steps (while
+onload and offload phases run where ``runtime/phases.py`` puts them; and between steps (while
 the engine generates) the state is off the device, saves and all."""
 
 import os
@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _run(rank, world, assets: Path, offload: str):
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.testing.actor_case import gather_full_model
     from megatron_stare.train import Trainer
 
@@ -37,7 +38,7 @@ def _run(rank, world, assets: Path, offload: str):
 
     tr.generate = generate
     try:
-        from megatron_stare.offload import first_sync
+        from megatron_stare.trainer.offload import first_sync
 
         first_sync(tr)
         for s in range(2):

@@ -1,4 +1,4 @@
-"""The DP1 distributed-optimizer save without megatron-core's gather (``models/optimizer_dp1.py``),
+"""The DP1 distributed-optimizer save without megatron-core's gather (``checkpoint/optimizer_dp1.py``),
 at 2 gloo ranks, TP2 DP1, bf16 with the distributed optimizer:
 
 - the fast path is taken on every rank (and only for saving);
@@ -20,10 +20,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _case(rank, world, root):
-    from megatron_stare.async_save import BackgroundSaves
-    from megatron_stare.checkpoint import save_checkpoint
-    from megatron_stare.models import dist_ckpt, optimizer_dp1
-    from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
+    from megatron_stare.checkpoint.async_save import BackgroundSaves
+    from megatron_stare.checkpoint.core import save_checkpoint
+    from megatron_stare.checkpoint import dist_ckpt
+    from megatron_stare.checkpoint import optimizer_dp1
+    from megatron_stare.checkpoint.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
 
     root = Path(root)

@@ -31,7 +31,7 @@ def _score(rank, world, ns, mode, fn, workers):
 
 
 def _score_one(rank, n, mode, fn, workers):
-    from megatron_stare.config_sections import RewardConfig
+    from megatron_stare.config.sections import RewardConfig
     from megatron_stare.rewards import RewardPool
     from megatron_stare.rewards.registry import RewardError
     from megatron_stare.rewards.sharded import score_once

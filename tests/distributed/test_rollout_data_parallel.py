@@ -30,8 +30,8 @@ MAX_NEW = 8
 
 def _rollout(rank, world, model_dir):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from megatron_stare.config import load_config
-    from megatron_stare.generation import sampling_params
+    from megatron_stare.config.load import load_config
+    from megatron_stare.trainer.generation import sampling_params
     from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
     from megatron_stare.train import Trainer
 

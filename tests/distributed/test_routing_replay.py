@@ -20,8 +20,8 @@ Qwen3-MoE (``MOE_SPEC``: 8 experts, top-2, 2 MoE layers), real megatron-core on 
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config
-from megatron_stare.config_checks import check_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import check_config
 from megatron_stare.testing.actor_case import MOE_SPEC, run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.replay_case import run_replay_cases

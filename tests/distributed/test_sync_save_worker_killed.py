@@ -26,9 +26,9 @@ def _case(rank, world, root):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_stare import checkpoint_writer
-    from megatron_stare.checkpoint import CheckpointError, latest_complete, save_checkpoint
-    from megatron_stare.models.dist_ckpt import _allocate_torch_adam_state
+    from megatron_stare.checkpoint import writer as checkpoint_writer
+    from megatron_stare.checkpoint.core import CheckpointError, latest_complete, save_checkpoint
+    from megatron_stare.checkpoint.dist_ckpt import _allocate_torch_adam_state
     from megatron_stare.testing.actor_case import build_case_actor, case_groups
     from megatron_stare.testing.save_faults import slow_writer_open
 

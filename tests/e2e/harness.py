@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
-from megatron_stare.reaper import marked_processes
+from megatron_stare.trainer.metrics import read_metrics
+from megatron_stare.runtime.reaper import marked_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -134,6 +134,6 @@ def _steps(run_dir):
 
 
 def _complete(run_dir):
-    from megatron_stare.checkpoint import latest_complete
+    from megatron_stare.checkpoint.core import latest_complete
 
     return latest_complete(run_dir / "ckpt").name

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import load_config, to_dict
+from megatron_stare.config.load import load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {

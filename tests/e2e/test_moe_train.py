@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 from tests.e2e.harness import ROOT, VLLM_ENV, _comparable, _complete, _run, _steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_stare.config import DataConfig
+from megatron_stare.config.load import DataConfig
 from megatron_stare.data import load_prompts
 from megatron_stare.data.prepare import main as prepare_main
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 from tests.e2e.harness import _finish, _popen
 
 ROOT = Path(__file__).resolve().parents[2]

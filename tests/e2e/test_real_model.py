@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 
 from .harness import ROOT, VLLM_ENV, _finish, _popen
 
@@ -32,7 +32,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from megatron_stare.demo.word_problems import write_split
+    from megatron_stare.study.word_problems import write_split
 
     return write_split(tmp_path_factory.mktemp("word_problems"), n_train=32, n_test=8)["train"]
 

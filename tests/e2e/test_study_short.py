@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.demo import study_methods as sm
-from megatron_stare.demo.study import V1_METHODS
-from megatron_stare.metrics import read_metrics
+from megatron_stare.study import methods as sm
+from megatron_stare.study.v2 import V1_METHODS
+from megatron_stare.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow]
 
 def _study(out: Path) -> subprocess.CompletedProcess:
     # Target 1.5 x H0: the entropy is below it from step 1, so STARE's gate fires in 3 steps.
-    return subprocess.run([sys.executable, "-m", "megatron_stare.demo.study", "--quick", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "megatron_stare.study.v2", "--quick", "--out", str(out),
                            "--seeds", "0", "--target-ratio", "1.5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow]
 
 def _study(out: Path, *extra: str) -> subprocess.CompletedProcess:
     # Target 1.5 x H0: the entropy is below it from step 1, so STARE's gate fires in 3 steps.
-    return subprocess.run([sys.executable, "-m", "megatron_stare.demo.study", "--task", "hop_path", "--quick",
+    return subprocess.run([sys.executable, "-m", "megatron_stare.study.v2", "--task", "hop_path", "--quick",
                            "--out", str(out), "--seeds", "0", "--target-ratio", "1.5", "--methods", *METHODS, *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

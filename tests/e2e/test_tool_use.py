@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 from tests.e2e.harness import _comparable, _finish, _popen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 @pytest.fixture(scope="session")
 def warm_start(tmp_path_factory):
-    from megatron_stare.demo.sft import SftSettings
+    from megatron_stare.study.sft import SftSettings
     from megatron_stare.demo.tool_use import MAX_NEW_TOKENS, ToolUseSettings, prepare
 
     out = tmp_path_factory.mktemp("tool_use")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 from megatron_stare.rollout import vllm_cpu
 from tests.e2e.harness import (  # noqa: F401  (assets: a fixture)
     ASYNC_ARGS, ROOT, VLLM_ARGS, VLLM_ENV, _assert_failed_naming_rank, _assert_no_leftovers, _comparable,

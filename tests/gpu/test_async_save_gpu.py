@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_background_saves_on_gpu_complete_and_resume(tmp_path):
     pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/gpu_check.sh installs it)")
-    from megatron_stare.checkpoint import latest_complete, list_checkpoints
+    from megatron_stare.checkpoint.core import latest_complete, list_checkpoints
     from megatron_stare.rewards.synthetic import make_task, write_jsonl
     from megatron_stare.testing.hf_models import build_tiny_hf_model
 

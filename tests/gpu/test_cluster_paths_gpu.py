@@ -63,8 +63,9 @@ def test_colocated_sglang_tp2_maps_buckets_within_the_planned_context(tmp_path, 
     _need_gpus(2)
     pytest.importorskip("sglang")
     pynvml = pytest.importorskip("pynvml")
-    from megatron_stare.config import load_config, validate_config
-    from megatron_stare.plan_memory import Assumptions
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
+    from megatron_stare.plan.memory import Assumptions
     from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
     from megatron_stare.testing.hf_models import build_tiny_hf_model
 

@@ -60,7 +60,8 @@ def _check(results, path, prompts):
 
 
 def _spec(tmp_path, path, engine):
-    from megatron_stare.config import load_config, validate_config
+    from megatron_stare.config.load import load_config
+    from megatron_stare.preflight.checks import validate_config
     from megatron_stare.rollout import EngineSpec, EngineWorld
 
     f = tmp_path / f"{engine}.yaml"

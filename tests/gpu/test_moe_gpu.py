@@ -29,7 +29,7 @@ def _seeded(name, shape):
 def _logits(rank, world, attention, grouped):
     from megatron_stare.models.provider import build_model_stage
     from megatron_stare.models.sharding import load_canonical
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.actor_case import MOE_SPEC
     groups = init_distributed(ParallelLayout.from_world(world))
     model, _ = build_model_stage(MOE_SPEC, groups, dtype=torch.bfloat16, attention=attention,

@@ -23,7 +23,8 @@ import pytest
 import torch
 import yaml
 
-from megatron_stare.config import load_config, validate_config
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
 from megatron_stare.rollout.sglang_server import server_command
 from megatron_stare.testing.hf_models import build_tiny_hf_model

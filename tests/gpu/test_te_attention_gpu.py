@@ -45,11 +45,11 @@ def _logits(rank, world, cp, attention):
     one sequence) and one packed row, both gathered back to ``{sequence: [n, V]}``."""
     import os
 
-    from megatron_stare.batching import slot_chunks
+    from megatron_stare.actor.batching import slot_chunks
     from megatron_stare.models.provider import build_model_stage
     from megatron_stare.models.sharding import load_canonical
     from megatron_stare.models.torch_attention import PackedRowParams
-    from megatron_stare.parallel import ParallelLayout, init_distributed
+    from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
     os.environ.setdefault("NVTE_FLASH_ATTN", "1")
@@ -137,7 +137,7 @@ def test_te_context_parallel_thd_equals_one_gpu():
 def test_te_thd_partitioning_equals_ours():
     import transformer_engine_torch as tex
 
-    from megatron_stare.batching import slot_chunks
+    from megatron_stare.actor.batching import slot_chunks
 
     cp, slots = 2, [8, 4, 20, 8]
     cu = torch.tensor([0] + slots, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()

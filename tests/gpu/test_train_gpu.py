@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_stare.metrics import read_metrics
+from megatron_stare.trainer.metrics import read_metrics
 
 from megatron_stare.models.gpt import transformer_engine_error
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from megatron_stare.algorithms.config import OffPolicyConfig
+from megatron_stare.config.algorithm import OffPolicyConfig
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights
 from megatron_stare.rollout.async_loop import RolloutPipeline, Span, overlaps
 from megatron_stare.rollout.base import SamplingParams

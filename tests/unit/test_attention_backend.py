@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_stare.config import ConfigError, load_config
-from megatron_stare.config_checks import check_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import check_config
 from megatron_stare.models.gpt import resolve_attention, transformer_engine_error
 from megatron_stare.models.torch_attention import _kv_for_sdpa
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_stare.algorithms.config import AlgorithmConfig, CispoConfig, ForkingTokensConfig, GspoConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, CispoConfig, ForkingTokensConfig, GspoConfig
 from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, build_policy_loss
 
 

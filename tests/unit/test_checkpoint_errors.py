@@ -9,7 +9,7 @@ from collections import namedtuple
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_stare import checkpoint
+from megatron_stare.checkpoint import core as checkpoint
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -1,4 +1,4 @@
-"""The checkpoint-writer processes (``checkpoint_writer.py``): a file hashed as written (its
+"""The checkpoint-writer processes (``checkpoint/writer.py``): a file hashed as written (its
 sidecar digest is the file's SHA-256; a seek or a size mismatch means no digest), and a forked
 writer and its own forked worker ignore the preemption signals and die with the rank."""
 
@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from megatron_stare.checkpoint_writer import HASH_SUFFIX, HashingFile, written_sha256
+from megatron_stare.checkpoint.writer import HASH_SUFFIX, HashingFile, written_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 

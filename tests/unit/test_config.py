@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import Config, ConfigError, load_config, validate_config
+from megatron_stare.config.load import Config, ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.algorithms.off_policy import run_off_policy
 from megatron_stare.models.tiny import build_tiny_hf_model
 

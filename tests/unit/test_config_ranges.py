@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import Config, ConfigError, load_config, validate_config
-from megatron_stare.config_fields import check_fields, numeric_fields
+from megatron_stare.config.load import Config, ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
+from megatron_stare.config.fields import check_fields, numeric_fields
 from megatron_stare.models.tiny import build_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +84,7 @@ def test_every_numeric_field_declares_a_range():
 def _docstrings():
     """{class name: {field: docstring}} of the config dataclasses, from their source."""
     out = {}
-    for rel in ("megatron_stare/config_sections.py", "megatron_stare/algorithms/config.py"):
+    for rel in ("megatron_stare/config/sections.py", "megatron_stare/config/algorithm.py"):
         for node in ast.parse((ROOT / rel).read_text()).body:
             if isinstance(node, ast.ClassDef):
                 docs, body = {}, node.body

@@ -1,4 +1,4 @@
-"""The console (``megatron_stare/console.py``): line formats, the ETA, warning collapsing, the
+"""The console (``megatron_stare/trainer/console.py``): line formats, the ETA, warning collapsing, the
 start-up summary, and the already-complete check of a finished run's checkpoints."""
 
 import io
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_stare.checkpoint import finished_checkpoint
-from megatron_stare.checkpoint_manifest import write_manifest
-from megatron_stare.config import Config
-from megatron_stare.console import Console, adopt_library_loggers
-from megatron_stare.console_lines import WIDTH, RunSummary, eval_line, seconds, step_line, warning_line
+from megatron_stare.checkpoint.core import finished_checkpoint
+from megatron_stare.checkpoint.manifest import write_manifest
+from megatron_stare.config.load import Config
+from megatron_stare.trainer.console import Console, adopt_library_loggers
+from megatron_stare.trainer.console_lines import WIDTH, RunSummary, eval_line, seconds, step_line, warning_line
 
 FULL = {"time/generate": 28.14, "time/gather": 0.01, "time/score": 0.21, "time/release": 0.5, "time/train": 3.1,
         "time/logprob": 1.0, "time/update": 2.1, "time/resume_w": 0.3, "time/sync": 0.4, "time/resume_kv": 0.2,
@@ -23,7 +23,7 @@ FULL = {"time/generate": 28.14, "time/gather": 0.01, "time/score": 0.21, "time/r
 
 
 def test_step_line():
-    # Every main phase (generate: the phases are named as rollout/phases.py names them), the
+    # Every main phase (generate: the phases are named as runtime/phases.py names them), the
     # engine's sleep and wake summed (0.5 + 0.3 + 0.2), a 10 ms gather left out.
     assert step_line(12, 100, FULL, eta_s=252.4, target_entropy=0.3) == (
         "step 12/100, eta 4m12s | generate 28.1s score 0.2s train 3.1s sync 0.4s wake 1.0s | "
@@ -193,3 +193,39 @@ def test_already_complete_says_so_in_one_line(tmp_path):
     console.close()
     assert out.getvalue() == (f"[megatron-stare] already complete: {last} is step 20 of trainer.total_steps=20; "
                               f"nothing to do (raise trainer.total_steps to train on)\n")
+
+
+def test_lower_layers_lines_go_through_the_installed_console(tmp_path, capsys):
+    """The checkpoint loader, preemption and preflight speak through ``runtime.notices``: plain
+    printing with no console, the console (its streams and its log file) once it is installed,
+    plain printing again after it is uninstalled."""
+    from megatron_stare.runtime import notices
+
+    notices.note("before the console")
+    notices.say("warning: before", err=True)
+    plain = capsys.readouterr()
+    assert plain.out == "[megatron-stare] before the console\n" and plain.err == "warning: before\n"
+    console, out, err = _console(tmp_path, rank=1)  # the caller chose the rank: echo prints anyway
+    try:
+        console.install()
+        notices.note("checkpoint x was saved at another layout")
+        notices.say("error: a bad row", err=True)
+        console.uninstall()
+        notices.note("after the console")
+    finally:
+        console.close()
+    assert out.getvalue() == "[megatron-stare] checkpoint x was saved at another layout\n"
+    assert err.getvalue() == "error: a bad row\n"
+    log = (tmp_path / "console_rank1.log").read_text()
+    assert "saved at another layout" in log and "error: a bad row" in log and "after" not in log
+    assert capsys.readouterr().out == "[megatron-stare] after the console\n"
+
+
+def test_a_warning_from_any_folder_of_the_package_is_ours():
+    """Ours, whole on the console, from every folder (a moved module must not turn third-party)."""
+    from megatron_stare.checkpoint import core
+    from megatron_stare.trainer import console_lines
+
+    for module in (core, console_lines, __import__("megatron_stare.train").train):
+        assert console_lines.source_of(module.__file__) == "megatron_stare", module.__name__
+    assert console_lines.source_of("/x/site-packages/megatron/core/optimizer/__init__.py") == "megatron"

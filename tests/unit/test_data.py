@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from megatron_stare.config import DataConfig
+from megatron_stare.config.load import DataConfig
 from megatron_stare.data import DataError, PromptSampler, load_prompts, shard_for_rank
 
 ROWS = [

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_stare.config import DataConfig
+from megatron_stare.config.load import DataConfig
 from megatron_stare.data import DataError, load_prompts, read_rows, validate_file
 
 ROWS = [

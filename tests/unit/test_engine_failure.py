@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_stare.rendezvous import free_port
+from megatron_stare.runtime.rendezvous import free_port
 from megatron_stare.rollout.base import SamplingParams
 from megatron_stare.rollout.spec import RecoveryLimits
 from megatron_stare.rollout.vllm_fleet import VLLMServerFleet

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineSpec, EngineWorld
 
 BASE = ["model.path=/models/policy", "data.max_prompt_length=1000", "rollout.max_new_tokens=3000",
@@ -30,7 +31,7 @@ def test_spec_carries_the_rollout_settings():
 
 
 def test_ignore_eos_reaches_the_training_rollouts_sampling_params_only():
-    from megatron_stare.generation import sampling_params
+    from megatron_stare.trainer.generation import sampling_params
 
     s = _spec(["rollout.engine=vllm", "rollout.ignore_eos=true"])
     train, evaluate = sampling_params(s.sampling, seed=1), sampling_params(s.eval_sampling, seed=1)

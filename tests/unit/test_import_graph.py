@@ -1,5 +1,6 @@
-"""The import graph of the production packages has no cycles, and production never imports the
-test helpers (``megatron_stare.testing``).
+"""The structure of the package, read from its import graph: no cycles between files or between
+folders, the folders in their layer order (docs/architecture.md), at most four top-level modules,
+and production never imports the test helpers (``megatron_stare.testing``).
 
 The graph is built from the source with ``ast``, counting every import statement wherever it
 is (module level, inside functions, under ``if TYPE_CHECKING``): a lazy import that only dodges
@@ -102,11 +103,14 @@ def _describe(cycle: List[str], graph) -> str:
 def test_graph_is_built_from_real_imports():
     """Guards for the builder itself: it sees function-level, relative and from-imports."""
     g = import_graph()
-    assert "megatron_stare.config_checks" in g["megatron_stare.config"]           # module level
-    assert "megatron_stare.parallel" in g["megatron_stare.config_checks"]         # inside a function
-    assert "megatron_stare.rollout.base" in g["megatron_stare.rollout.hf_engine"]  # from .base import
-    assert "megatron_stare.rollout.hf_engine" in g["megatron_stare.rollout"]      # from . import hf_engine
-    assert "megatron_stare.models.tiny" in g["megatron_stare.demo.warm_start"]
+    assert "megatron_stare.config.load" in g["megatron_stare.preflight.checks"]      # module level
+    assert "megatron_stare.runtime.parallel" in g["megatron_stare.preflight.checks"]  # inside a function
+    assert "megatron_stare.rollout.hf_engine" in g["megatron_stare.rollout"]         # from pkg import module
+    modules = _modules()
+    rel = ast.parse("from .base import RolloutEngine\nfrom . import spec\n").body
+    assert _targets(rel[0], "megatron_stare.rollout.hf_engine", False, modules) == ["megatron_stare.rollout.base"]
+    assert _targets(rel[1], "megatron_stare.rollout", True, modules) == ["megatron_stare.rollout.spec"]
+    assert "megatron_stare.models.tiny" in g["megatron_stare.study.warm_start"]
     assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 1}}) is None
 
@@ -126,8 +130,8 @@ def test_production_never_imports_the_test_helpers():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["megatron_stare.config", "megatron_stare.rendezvous",
-                                    "megatron_stare.rewards"])
+@pytest.mark.parametrize("module", ["megatron_stare.config.load", "megatron_stare.preflight.cli",
+                                    "megatron_stare.runtime.rendezvous", "megatron_stare.rewards"])
 def test_light_modules_do_not_import_torch(module):
     """The config (and the launch preflight, and reward workers) must stay light: no torch, no losses."""
     code = (f"import sys, {module}; heavy = [m for m in ('torch', 'megatron.core', "
@@ -140,9 +144,99 @@ def test_light_modules_do_not_import_torch(module):
 def test_cycle_report_names_the_modules():
     """Proof the check bites: a graph with the old config <-> config_checks cycle is reported."""
     graph: Dict[str, Dict[str, int]] = {m: dict(e) for m, e in import_graph().items()}
-    graph["megatron_stare.config_checks"]["megatron_stare.config"] = 1
+    graph["megatron_stare.config.load"]["megatron_stare.preflight.checks"] = 1
     cycle = find_cycle(graph)
-    assert cycle is not None and {"megatron_stare.config", "megatron_stare.config_checks"} <= set(cycle)
+    assert cycle is not None and {"megatron_stare.config.load", "megatron_stare.preflight.checks"} <= set(cycle)
     text = _describe(cycle, graph)
-    assert "megatron_stare.config_checks (line 1) -> megatron_stare.config" in text
+    assert "megatron_stare.config.load (line 1) -> megatron_stare.preflight.checks" in text
 
+
+
+# ----------------------------------------------------------------------------- folders and layers
+
+#: The package's folders (and top-level modules) from the bottom up: a folder imports only from
+#: folders of lower layers (and from itself). Entry points - ``train``, ``run``, every
+#: ``__main__`` and the converters - sit above them all, the test helpers beside them.
+LAYERS = (
+    ("megatron_stare", "errors", "types", "compat"),  # megatron_stare: the package's __init__
+    ("config", "runtime", "ops"),
+    ("algorithms", "models"),
+    ("weight_sync", "rewards"),
+    ("envs", "data", "checkpoint", "actor"),
+    ("rollout",),
+    ("preflight",),
+    ("plan", "trainer"),
+    ("study",),
+    ("demo",),
+)
+ENTRY_POINTS = ("train", "run", "checkpoints_convert", "testing")
+TOP_LEVEL_MODULES = {"errors", "run", "train", "types"}
+
+
+def folder_of(module: str) -> str:
+    """``megatron_stare.rollout.spec`` -> ``rollout``; a ``__main__`` is its own node (an entry point)."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":
+        return module
+    return parts[1] if parts[0] == "megatron_stare" and len(parts) > 1 else parts[0]
+
+
+def folder_graph(graph: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, str]]:
+    """folder -> {imported folder: one "module (line N) -> module" that makes the edge}."""
+    out: Dict[str, Dict[str, str]] = {}
+    for module, edges in graph.items():
+        a = folder_of(module)
+        for target, line in edges.items():
+            b = folder_of(target)
+            if a != b:
+                out.setdefault(a, {}).setdefault(b, f"{module} (line {line}) -> {target}")
+    return out
+
+
+def layer_of(folder: str) -> int:
+    if folder.endswith("__main__") or folder in ENTRY_POINTS:
+        return len(LAYERS)
+    for i, layer in enumerate(LAYERS):
+        if folder in layer:
+            return i
+    raise AssertionError(f"{folder} is in no layer: add it to LAYERS (tests/unit/test_import_graph.py) "
+                         f"and to docs/architecture.md")
+
+
+def layer_violations(fgraph: Dict[str, Dict[str, str]]) -> List[str]:
+    return [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)}): {why}"
+            for a, edges in sorted(fgraph.items()) for b, why in sorted(edges.items())
+            if layer_of(b) >= layer_of(a) and not (a in ENTRY_POINTS and b in ENTRY_POINTS)]
+
+
+def test_at_most_four_top_level_modules():
+    top = {p.stem for p in (ROOT / "megatron_stare").glob("*.py")} - {"__init__"}
+    assert top <= TOP_LEVEL_MODULES, f"new top-level modules {sorted(top - TOP_LEVEL_MODULES)}: put them in a folder"
+    assert len(top) <= 4
+
+
+def test_no_folder_cycles():
+    fgraph = folder_graph(import_graph())
+    cycle = find_cycle({a: dict.fromkeys(e, 1) for a, e in fgraph.items()})
+    assert cycle is None, "folder cycle: " + "; ".join(fgraph[a][b] for a, b in zip(cycle, cycle[1:]))
+
+
+def test_folders_import_only_lower_layers():
+    folders = {folder_of(m) for m in _modules()}
+    for folder in folders:
+        layer_of(folder)  # every folder has a layer
+    bad = layer_violations(folder_graph(import_graph()))
+    assert not bad, "\n".join(bad)
+
+
+def test_layer_check_bites():
+    """A folder that imports upward, or sideways within its layer, is reported with the import."""
+    fgraph = {"runtime": {"trainer": "megatron_stare.runtime.x (line 3) -> megatron_stare.trainer.y"},
+              "models": {"algorithms": "megatron_stare.models.a (line 1) -> megatron_stare.algorithms.b"},
+              "trainer": {"rollout": "ok"}}
+    bad = layer_violations(fgraph)
+    assert len(bad) == 2
+    assert bad[0].startswith("models (layer 2) imports algorithms (layer 2)")
+    assert "runtime.x (line 3)" in bad[1]
+    with pytest.raises(AssertionError, match="newfolder is in no layer"):
+        layer_of("newfolder")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import load_config, to_dict
-from megatron_stare.plan import check_for_gpus, estimate_memory
+from megatron_stare.config.load import load_config, to_dict
+from megatron_stare.plan.planner import check_for_gpus, estimate_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT, YAML = "launch/train_32b_async.sh", "examples/qwen2.5_32b_async.yaml"

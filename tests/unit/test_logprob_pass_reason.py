@@ -5,7 +5,7 @@ backward and the batch gets one optimizer step. Each reason is named for the con
 import pytest
 
 from megatron_stare.actor.logprob_pass import logprob_pass_reason
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.losses import POLICY_LOSSES, build_policy_loss
 
 #: The losses whose plan selects tokens by the pass's values (or reads the gate of this step).
@@ -40,7 +40,7 @@ def test_every_other_reader_keeps_the_pass(knobs, words):
 
 
 def test_a_bad_mode_is_refused_naming_the_field():
-    from megatron_stare.config import load_config
+    from megatron_stare.config.load import load_config
 
     assert load_config(overrides=["trainer.logprob_pass=always"]).trainer.logprob_pass == "always"
     with pytest.raises(ValueError, match="trainer.logprob_pass"):

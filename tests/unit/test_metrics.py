@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from megatron_stare.config import LoggingConfig
-from megatron_stare.metrics import MetricsError, MetricsLogger, Timer, format_duration, plot_runs, read_metrics
+from megatron_stare.config.load import LoggingConfig
+from megatron_stare.trainer.metrics import MetricsError, MetricsLogger, Timer, format_duration, plot_runs, read_metrics
 
 FULL = {"time/generate": 3.14, "time/score": 0.21, "time/logprob": 1.0, "time/update": 2.2, "time/sync": 0.4,
         "perf/tokens_per_s": 812.4, "stare/entropy": 0.4123, "stare/gate": 0.0, "reward/accuracy": 0.531}

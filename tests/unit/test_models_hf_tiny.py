@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from megatron_stare.models.dist_ckpt import META_FILE, MEGATRON_META, read_meta
+from megatron_stare.checkpoint.dist_ckpt import META_FILE, MEGATRON_META, read_meta
 from megatron_stare.testing.hf_models import DEFAULT_VOCAB, build_tiny_hf_model, hf_logits
 
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_stare.models.moe import fuse_experts, layer_pattern, per_expert_view
 from megatron_stare.models.provider import spec_from_hf_config
-from megatron_stare.parallel import LayoutError, ModelShape, ParallelLayout
+from megatron_stare.runtime.parallel import LayoutError, ModelShape, ParallelLayout
 
 MOE_SHAPE = ModelShape(num_layers=4, num_attention_heads=4, num_query_groups=2, vocab_size=320,
                        num_experts=8, moe_ffn_hidden_size=32)
@@ -82,7 +82,7 @@ def test_router_padding_mask_marks_exactly_the_padding(cp):
     """Slot padding (to 2*cp) and the row's padding to the SP multiple are padding; every real
     token is not (the router's aux and z-losses count only those)."""
     from megatron_stare.actor.schedule import _row_padding
-    from megatron_stare.batching import collate_packed
+    from megatron_stare.actor.batching import collate_packed
     from megatron_stare.types import Sample
 
     samples = [Sample(sample_id=i, group_id=0, prompt_ids=[5] * p, response_ids=[7] * r)

@@ -9,7 +9,7 @@ from typing import List
 import pytest
 import torch
 
-from megatron_stare.batching import collate
+from megatron_stare.actor.batching import collate
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import HFEngine
 from megatron_stare.rollout.multiturn import MultiTurnLimits, Trajectory, generate_multiturn, multiturn_metrics

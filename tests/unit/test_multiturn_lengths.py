@@ -5,9 +5,10 @@ hold the whole trajectory, observations included."""
 import pytest
 import torch
 
-from megatron_stare.config import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.data import Prompt
-from megatron_stare.generation import GroupSelector, ScoredBatch, model_tokens
+from megatron_stare.trainer.generation import GroupSelector, ScoredBatch, model_tokens
 from megatron_stare.rollout.base import GenerationResult
 from megatron_stare.rollout.multiturn import Trajectory
 from megatron_stare.rollout.spec import EngineSpec, EngineWorld

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_stare.algorithms.aggregation import sequence_token_counts
-from megatron_stare.algorithms.config import AlgorithmConfig, OffPolicyConfig
+from megatron_stare.config.algorithm import AlgorithmConfig, OffPolicyConfig
 from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, build_policy_loss
 from megatron_stare.algorithms.off_policy import OffPolicyCorrection, off_policy_weights, resolve_off_policy
 from megatron_stare.testing.distributed import run_on_ranks

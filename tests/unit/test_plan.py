@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import load_config
-from megatron_stare.plan import (GiB, estimate_memory, layer_activation_bytes, main,
+from megatron_stare.config.load import load_config
+from megatron_stare.plan.planner import (GiB, estimate_memory, layer_activation_bytes, main,
                                  param_counts)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,11 +172,11 @@ def test_engine_without_room_for_one_sequence_does_not_fit(capsys):
 
 
 def test_plan_phases_are_the_training_loops():
-    """One phase list (rollout/phases.py) for the loop and the planner; each phase holds what
+    """One phase list (runtime/phases.py) for the loop and the planner; each phase holds what
     the engine holds then: everything while awake, a residue while released, the weights again
     from resume_w (plus one bucket in sync), everything from resume_kv."""
-    from megatron_stare.plan import PHASES
-    from megatron_stare.rollout.phases import PHASES as STEP
+    from megatron_stare.plan.planner import PHASES
+    from megatron_stare.runtime.phases import PHASES as STEP
 
     assert PHASES == tuple(p.name for p in STEP) == (
         "generate", "gather", "score", "release", "onload", "train", "resume_w", "sync", "offload", "resume_kv")
@@ -241,7 +241,7 @@ def test_offload_line_32b_and_7b_by_hand():
 
 
 def test_sync_staging_by_role_and_first_sync_by_hand():
-    """The sync's staging (plan_sync.py) on the planned stage, by hand from what the export
+    """The sync's staging (plan/sync.py) on the planned stage, by hand from what the export
     allocates: the TP-gather scratch (the stage's largest full tensor), the concatenation
     scratch (the GLU fc1, full), two own staging slots (a bucket and the largest HF tensor when
     it exceeds one) and, with PP, two slots for the other stages' buckets; the first sync adds
@@ -281,7 +281,7 @@ def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
     recipe on 72 GiB GPUs); the plan says why, and with 'full' what auto would choose. The
     choice reaches megatron-core's TransformerConfig; on CPU auto is none."""
     from megatron_stare.models.gpt import transformer_config
-    from megatron_stare.plan import choose_recompute, resolve_recompute
+    from megatron_stare.plan.planner import choose_recompute, resolve_recompute
     from megatron_stare.testing.megatron_tiny import TINY_SPEC
 
     hf32, hf7 = json.loads(QWEN32.read_text()), json.loads(QWEN7.read_text())

@@ -1,4 +1,4 @@
-"""The dry-run planner on Qwen3-30B-A3B (``plan_moe.py``): expert weights at 1/ep of the routed
+"""The dry-run planner on Qwen3-30B-A3B (``plan/moe.py``): expert weights at 1/ep of the routed
 experts, their optimizer state over expert-data-parallel, the dispatcher's buffers and the
 routing-replay tensors, against hand-computed values; offload counts the experts' state."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config
-from megatron_stare.plan import GiB, estimate_memory, param_counts
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.plan.planner import GiB, estimate_memory, param_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = json.loads((ROOT / "examples" / "configs" / "qwen3-30b-a3b.json").read_text())

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from megatron_stare.preemption import (PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS, STATUS_FILE_ENV, Preemption,
+from megatron_stare.runtime.preemption import (PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS, STATUS_FILE_ENV, Preemption,
                                        write_status)
 from megatron_stare.testing.distributed import run_on_ranks
 
@@ -64,7 +64,7 @@ def _writer_queue_after_signals(rank, world, immune, out_dir):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_stare.compat import cpu as cpu_compat
-    from megatron_stare.models.dist_ckpt import start_writer_results_queue
+    from megatron_stare.checkpoint.dist_ckpt import start_writer_results_queue
 
     cpu_compat.apply()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -107,7 +107,7 @@ def test_checkpoint_writer_survives_preemption_signals(tmp_path):
 def test_ctrl_c_copies_are_one_press_and_a_later_press_stops_at_once(monkeypatch):
     """SIGINT is a preemption signal (exit 130); copies within REPEAT_WINDOW_S of the first (a
     terminal's and a launcher's) are one press; a press after that raises KeyboardInterrupt."""
-    from megatron_stare import preemption
+    from megatron_stare.runtime import preemption
 
     assert signal.SIGINT in PREEMPTION_SIGNALS
     assert preemption.exit_code(signal.SIGINT) == 130 and preemption.exit_code(signal.SIGTERM) == 75

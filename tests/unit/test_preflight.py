@@ -1,4 +1,4 @@
-"""The preflight (``megatron_stare/preflight.py``): each invalid input a user produces is refused
+"""The preflight (``megatron_stare/preflight/inputs.py``): each invalid input a user produces is refused
 before any process group exists, with one line and exit 2, through both entry points:
 
 - the trainer, ``WORLD_SIZE=2 RANK=0 python -m megatron_stare.train --config C.yaml`` with
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare import config as config_cli
-from megatron_stare import plan
+from megatron_stare.preflight import cli as config_cli
+from megatron_stare.plan import planner as plan
 from megatron_stare import train
 from megatron_stare.models.tiny import build_tiny_hf_model
 from megatron_stare.rewards.synthetic import make_task, write_jsonl

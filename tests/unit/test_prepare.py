@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_stare.config import DataConfig
+from megatron_stare.config.load import DataConfig
 from megatron_stare.data import DataError, load_prompts
 from megatron_stare.data.prepare import DAPO_TEMPLATE, GSM8K_INSTRUCTION, MATH_INSTRUCTION, main, prepare
 

@@ -1,4 +1,4 @@
-"""The reaper (``megatron_stare/reaper.py``): what a process started dies with it, however it dies."""
+"""The reaper (``megatron_stare/runtime/reaper.py``): what a process started dies with it, however it dies."""
 
 import os
 import signal
@@ -9,14 +9,14 @@ import uuid
 
 import pytest
 
-from megatron_stare.reaper import marked_processes
+from megatron_stare.runtime.reaper import marked_processes
 
 # A "rank": starts the watchdog, then a subprocess child (in its own session, as the engine
 # servers are), a multiprocessing Manager (as megatron-core's checkpoint writer does, with the
 # resource tracker) and a child that ignores SIGTERM; then it dies as the test says.
 RANK = r"""
 import multiprocessing as mp, os, signal, subprocess, sys, time
-from megatron_stare.reaper import install
+from megatron_stare.runtime.reaper import install
 install()
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
@@ -32,7 +32,7 @@ sys.exit(3)  # a plain exit without ending the children (an exception past every
 # gone before the watchdog's interpreter has started, so the watchdog never sees it as its parent.
 RANK_AT_ONCE = r"""
 import sys
-from megatron_stare.reaper import install
+from megatron_stare.runtime.reaper import install
 install()
 sys.exit(2)
 """

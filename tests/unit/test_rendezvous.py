@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_stare.rendezvous import RendezvousError, check_env, check_master, free_port
+from megatron_stare.runtime.rendezvous import RendezvousError, check_env, check_master, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def test_env_path(monkeypatch):
 def test_init_distributed_fails_fast_on_the_env_path():
     """``init_distributed`` checks before ``init_process_group``, whose store would retry for its
     whole timeout (30 min here) on a name that does not resolve."""
-    code = ("from megatron_stare.parallel import ParallelLayout, init_distributed\n"
+    code = ("from megatron_stare.runtime.parallel import ParallelLayout, init_distributed\n"
             "try:\n    init_distributed(ParallelLayout(dp=2))\n"
             "except ValueError as e:\n    print(e)\n")
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "no-such-host.invalid",

@@ -5,9 +5,9 @@ in RewardPool worker processes - and the extras' step metrics."""
 import pytest
 import torch
 
-from megatron_stare.config import Config, RewardConfig
+from megatron_stare.config.load import Config, RewardConfig
 from megatron_stare.data import Prompt
-from megatron_stare.generation import GroupSelector, ScoredBatch
+from megatron_stare.trainer.generation import GroupSelector, ScoredBatch
 from megatron_stare.rewards import RewardError, RewardPool, bind_reward, check_reward_config, normalize_return
 from megatron_stare.rollout.base import GenerationResult
 from tests.unit._contract_rewards import (Scorer, ground_truth_type, numpy_score, only_kwargs, positional, verl_four,
@@ -142,7 +142,7 @@ def test_acc_of_a_dict_return_is_the_verdict_of_accuracy_and_held_out_avg_at_k()
     """A reward that pays 0.3 for a wrong answer in the right format (verl's ``format_score``)
     returns ``acc``: the step's accuracy and the held-out avg@k / pass@k count ``acc``, not
     ``score > 0``; responses without the key (or a batch without extras) fall back to score > 0."""
-    from megatron_stare.generation import eval_metrics
+    from megatron_stare.trainer.generation import eval_metrics
 
     cfg = Config()
     cfg.trainer.prompts_per_step, cfg.rollout.n = 2, 2

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron_stare.config import RewardConfig
+from megatron_stare.config.load import RewardConfig
 from megatron_stare.rewards import registry
 from megatron_stare.rewards import (HARD_KILL_GRACE_S, ExactMatch, MathVerifyReward, RewardError, RewardPool,
                                     exact_match, extract_after_marker, extract_boxed, get_reward_fn, make_task,

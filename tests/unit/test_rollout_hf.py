@@ -17,11 +17,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from megatron_stare.config import load_config, validate_config
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
 from megatron_stare.rollout.hf_engine import filter_logits, score_tokens
-from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, iter_buckets, tensor_checksum
 

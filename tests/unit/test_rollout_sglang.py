@@ -21,9 +21,10 @@ import pytest
 import torch
 import yaml
 
-from megatron_stare.config import load_config, validate_config
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
-from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.rollout.sglang_engine import SGLangEngine, engine_kwargs
 from megatron_stare.rollout.sglang_server import SGLangServerEngine, server_command
 from megatron_stare.weight_sync import dtype_from_name, init_named_weight_group

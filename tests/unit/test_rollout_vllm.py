@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import score_tokens
-from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.rollout.vllm_engine import llm_kwargs
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, compare_checksums, tensor_checksum
@@ -221,7 +221,7 @@ def test_a_preemption_aborts_generation_between_engine_steps_and_the_engine_stay
     next call generates exactly what a call that was never interrupted does."""
     import time
 
-    from megatron_stare.preemption import StepInterrupted
+    from megatron_stare.runtime.preemption import StepInterrupted
 
     eng, a, _, ref_a, *_ = setup
     eng.update_weights(stream_state_dict(a))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.hf_engine import score_tokens
-from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import compare_checksums, tensor_checksum
 
@@ -163,7 +163,7 @@ def test_a_preemption_aborts_the_servers_requests_and_it_serves_on(server):
     running, and the server serves the next call exactly."""
     import time
 
-    from megatron_stare.preemption import StepInterrupted
+    from megatron_stare.runtime.preemption import StepInterrupted
 
     eng, a, _, ref_a, *_ = server
     eng.update_weights(stream_state_dict(a, BUCKET))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_stare.config import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.models.tiny import build_tiny_hf_model
 from megatron_stare.rollout.routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
 

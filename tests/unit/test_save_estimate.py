@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_stare.models.sizes import param_counts
-from megatron_stare.save_estimate import check_lead, estimate_save, signal_lead_s
+from megatron_stare.plan.save_estimate import check_lead, estimate_save, signal_lead_s
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm_32b.sbatch"

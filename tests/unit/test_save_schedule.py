@@ -3,7 +3,7 @@ whose clocks disagree (the decision follows rank 0's)."""
 
 import pytest
 
-from megatron_stare.save_schedule import SaveClock
+from megatron_stare.checkpoint.schedule import SaveClock
 from megatron_stare.testing.distributed import run_on_ranks
 
 

@@ -33,10 +33,11 @@ import pytest
 import torch
 import yaml
 
-from megatron_stare.config import load_config, validate_config
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
 from megatron_stare.rollout.http import EngineFailure
-from megatron_stare.rollout.phases import EngineMemory
+from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.rollout.sglang_engine import colocated_command, engine_kwargs
 from megatron_stare.rollout.sglang_server import SEED_NOTICE
 

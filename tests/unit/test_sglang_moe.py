@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from megatron_stare.config import load_config, validate_config
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.models.tiny import build_tiny_hf_model
 from megatron_stare.rollout import EngineSpec, EngineWorld
 from megatron_stare.rollout.sglang_engine import colocated_command, engine_kwargs

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_stare.config import RewardConfig
-from megatron_stare.preemption import Preemption, StepInterrupted
+from megatron_stare.config.load import RewardConfig
+from megatron_stare.runtime.preemption import Preemption, StepInterrupted
 from megatron_stare.rewards.pool import RewardPool
 from megatron_stare.rollout.interruptible import run_requests
-from megatron_stare.rollout.phases import SCORE
-from megatron_stare.step_interrupt import StepInterrupts
+from megatron_stare.runtime.phases import SCORE
+from megatron_stare.trainer.step_interrupt import StepInterrupts
 
 SLOW = "megatron_stare.testing.rewards:slow_parity_reward"
 

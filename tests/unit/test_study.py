@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from megatron_stare.demo import study_methods as sm
-from megatron_stare.demo.sft import sft_target
-from megatron_stare.demo.study import RunSpec, StudySettings, run_key, study_specs, tuning_specs
-from megatron_stare.demo.study_report import (goals, goals_values_md, medians_md, pearson, summarize_run,
+from megatron_stare.study import methods as sm
+from megatron_stare.study.sft import sft_target
+from megatron_stare.study.v2 import RunSpec, StudySettings, run_key, study_specs, tuning_specs
+from megatron_stare.study.report import (goals, goals_values_md, medians_md, pearson, summarize_run,
                                               theory_pairs)
 from megatron_stare.rewards import get_reward_fn, make_task
 from megatron_stare.rewards.pick_sum import parse_response, pick_sum_reward
@@ -169,7 +169,7 @@ def test_grids_equal_size_and_runs_keyed_by_their_settings(monkeypatch):
 
 
 def test_a_run_that_ran_dry_is_a_result_and_other_failures_are_not(tmp_path):
-    from megatron_stare.demo.study_results import ran_dry
+    from megatron_stare.study.results import ran_dry
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "train.log").write_text(
@@ -192,7 +192,7 @@ def test_tuning_table_marks_each_methods_best_eligible_point(tmp_path):
     point is labelled ``stare_o10``), marks the best non-diverged score, and lists the own knobs."""
     import json
 
-    from megatron_stare.demo.study_report import write_tuning
+    from megatron_stare.study.report import write_tuning
 
     def run(name, p1, p8, acc):
         d = tmp_path / name

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from megatron_stare.demo import study_results as sr
-from megatron_stare.demo.study_report import equal_tokens, goals, summarize_run
-from megatron_stare.demo.study_validate import Validity, pass_at_k
-from megatron_stare.generation import pass_at_j
+from megatron_stare.study import results as sr
+from megatron_stare.study.report import equal_tokens, goals, summarize_run
+from megatron_stare.study.validate import Validity, pass_at_k
+from megatron_stare.trainer.generation import pass_at_j
 from megatron_stare.rewards import get_reward_fn, make_task
 from megatron_stare.rewards.hop_path import hop_path_reward, random_path, reachable
 from megatron_stare.rewards.sum_steps import random_solution, scratchpad, sum_steps_reward
@@ -91,7 +91,7 @@ def test_results_are_written_atomically_and_matched_by_key(tmp_path):
 
 
 def test_a_seed_whose_methods_are_all_recorded_needs_no_warm_start(tmp_path):
-    from megatron_stare.demo import study as st
+    from megatron_stare.study import v2 as st
 
     s = st.StudySettings(out=str(tmp_path / "out"), seeds=[0], methods=["grpo", "dapo"], task="hop_path",
                          results=str(tmp_path / "res"))
@@ -146,7 +146,7 @@ def test_warm_start_stops_at_probe_pass_at_k(tmp_path):
     """The pass@k stop rule (``SftSettings.stop_pass``): probed every ``pass_every`` steps once the
     sampled accuracy reaches ``pass_from_accuracy``, with ``pass_samples`` samples per prompt, and
     the run stops at the first probe at or above the bound (here the 3rd: step 6), not at max_steps."""
-    from megatron_stare.demo.sft import PolicyStats, SftSettings, train_sft
+    from megatron_stare.study.sft import PolicyStats, SftSettings, train_sft
     from megatron_stare.models.tiny import build_tiny_hf_model
 
     base = build_tiny_hf_model("qwen2", tmp_path / "base", seed=0, num_layers=1, hidden_size=32,
@@ -175,7 +175,7 @@ def test_warm_start_stops_at_probe_pass_at_k(tmp_path):
 def test_report_leaves_out_results_of_an_earlier_warm_start(tmp_path):
     """A result whose key is another start's (the seed's start was rebuilt since) is not in the
     table: mixing it in would compare runs from different weights."""
-    from megatron_stare.demo import study as st
+    from megatron_stare.study import v2 as st
 
     s = st.StudySettings(out=str(tmp_path / "out"), seeds=[0], methods=["grpo", "dapo"], task="hop_path",
                          results=str(tmp_path / "res"))

@@ -1,4 +1,4 @@
-"""Study v3's runner (demo/study_v3.py): every method's overrides make a valid config, a run's key
+"""Study v3's runner (study/v3.py): every method's overrides make a valid config, a run's key
 names all that defines it, recorded runs are not run again, a finished run directory is recorded
 without rerunning it, and the report is built from the recorded files alone."""
 
@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from megatron_stare.config import load_config, validate_config
-from megatron_stare.demo import study_results as sr
-from megatron_stare.demo import study_v3 as v3
+from megatron_stare.config.load import load_config
+from megatron_stare.preflight.checks import validate_config
+from megatron_stare.study import results as sr
+from megatron_stare.study import v3
 
 
 @pytest.mark.parametrize("method", v3.METHODS)
@@ -20,7 +21,7 @@ def test_every_method_makes_a_valid_config_with_the_shared_settings(method, tmp_
                           world_size=2, cuda=False, check_paths=False)
     assert cfg.optimizer.lr == 1e-4 and cfg.trainer.prompts_per_step == 8 and cfg.rollout.n == 4
     assert cfg.trainer.seed == 2 and cfg.trainer.total_steps == 60 and cfg.trainer.eval_every == 12
-    assert cfg.reward.fn == "megatron_stare.demo.word_problems:compute_score_format"
+    assert cfg.reward.fn == "megatron_stare.study.word_problems:compute_score_format"
     # Only STARE's gate reads the target: 0.35 x the start's H0.
     expected = round(0.35 * v3.START["H0"], 4) if method.startswith("stare") else 0.0
     assert cfg.algorithm.stare.target_entropy == pytest.approx(expected, abs=1e-9)

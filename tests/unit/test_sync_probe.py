@@ -1,4 +1,4 @@
-"""The sync probe's pieces (``weight_sync/probe.py``): bounds by dtype, cadence from the run's
+"""The sync probe's pieces (``trainer/sync_probe.py``): bounds by dtype, cadence from the run's
 first sync (a resume included), the probe's prompts, the check's one line, and the watch on the
 step's engine/trainer gap."""
 
@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from megatron_stare.testing.hf_models import build_tiny_hf_model
-from megatron_stare.weight_sync.probe import (BOUNDS, MismatchWatch, ProbeGap, SyncCheckError, SyncProbe, bound_for,
+from megatron_stare.trainer.sync_probe import (BOUNDS, MismatchWatch, ProbeGap, SyncCheckError, SyncProbe, bound_for,
                                               probe_prompts)
 
 

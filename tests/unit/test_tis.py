@@ -4,7 +4,7 @@ gradient, and the cap is validated."""
 import pytest
 import torch
 
-from megatron_stare.algorithms.config import AlgorithmConfig
+from megatron_stare.config.algorithm import AlgorithmConfig
 from megatron_stare.algorithms.losses import MiniBatchInput, PolicyLossInput, build_policy_loss
 
 

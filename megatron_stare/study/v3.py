@@ -187,8 +187,24 @@ def method_overrides(method: str, seed: int, steps: int, gpu: bool = False) -> L
             f"algorithm.stare.target_entropy={tgt:.4f}", *(GPU_OVERRIDES if gpu else ())]
 
 
+#: Paths the study's config named before the package's redesign (issue #43) moved the word
+#: problems from ``demo/`` to ``study/``: the config's key reads them under their recorded names,
+#: so a rename leaves the recorded runs current while any other edit of the config still
+#: changes the key.
+RENAMED_IN_CONFIG = {"megatron_stare.study.word_problems": "megatron_stare.demo.word_problems",
+                     "megatron_stare/study/word_problems.py": "megatron_stare/demo/word_problems.py"}
+
+
+def config_key(path: Path = CONFIG) -> str:
+    """The first 12 hex digits of the SHA-1 of the config's text, renames undone."""
+    text = path.read_text(encoding="utf-8")
+    for new, old in RENAMED_IN_CONFIG.items():
+        text = text.replace(new, old)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+
+
 def run_key(method: str, seed: int, steps: int, gpu: bool = False, data: Data = Data()) -> str:
-    config = hashlib.sha1(CONFIG.read_bytes()).hexdigest()[:12]
+    config = config_key()
     return sr.result_key([config, MODEL, data.key(), f"{START['H0']:.4f}", *method_overrides(method, seed, steps, gpu)])
 
 

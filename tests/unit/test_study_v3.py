@@ -304,3 +304,19 @@ def test_a_runner_for_one_seed_reports_every_recorded_seed(tmp_path):
     v3.main(["--report-only", "--seeds", "2", "--results", str(results)])
     table = (results / "report.md").read_text().split("## Goals")[0]
     assert "| 1 | GRPO |" in table and "| 2 | GRPO |" in table
+
+
+def test_the_recorded_runs_stay_current_and_an_edit_of_the_config_does_not(tmp_path):
+    """Every committed record's key is the key the runner computes today: a move of the code (the
+    word problems' module path in the config) must not turn the study's runs stale, while a real
+    edit of the shared config does change the key."""
+    recorded = sr.load_results(v3.RESULTS, sr.recorded_seeds(v3.RESULTS), list(v3.METHODS))
+    assert len(recorded) >= 10
+    for (seed, method), rec in recorded.items():
+        assert rec["key"] == v3.run_key(method, seed, rec["steps"]), f"seed {seed} {method}: stale key"
+    text = v3.CONFIG.read_text(encoding="utf-8")
+    (tmp_path / "renamed.yaml").write_text(text.replace("megatron_stare.study.word_problems",
+                                                        "megatron_stare.demo.word_problems"), encoding="utf-8")
+    (tmp_path / "edited.yaml").write_text(text.replace("compute_score_format", "compute_score"), encoding="utf-8")
+    assert v3.config_key(tmp_path / "renamed.yaml") == v3.config_key()
+    assert v3.config_key(tmp_path / "edited.yaml") != v3.config_key()

@@ -89,7 +89,7 @@ print_cmd() {
 
 # preflight WORLD_SIZE: before any rank starts, check that this node can meet the others
 # (megatron_stare.runtime.rendezvous: MASTER_ADDR set, resolvable, reachable within $MASTER_WAIT_S) and
-# that the config is valid for the run (megatron_stare.config.load: one line per problem).
+# that the config is valid for the run (python -m megatron_stare.config: one line per problem).
 preflight() {
   "$RUN_PY" -m megatron_stare.runtime.rendezvous --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" || exit $?

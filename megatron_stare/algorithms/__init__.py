@@ -3,11 +3,11 @@
 Per step: ``compute_advantages`` -> (optional) ``GepoShaper`` -> ``StareController.update(H)`` ->
 per mini-batch ``loss_fn.plan(...)`` once -> per micro-batch ``loss_fn(inp, plan)``.
 
-The names below are loaded on first access (PEP 562): importing ``megatron_stare.config.algorithm``
-(the config does) must not pull in torch and every loss.
+The names below are loaded on first access (PEP 562): a module that needs one part of the package
+(the reward pool's overlong penalty, the config checks' registries) must not load every loss.
+The config sections are ``megatron_stare.config.algorithm``'s (light, no torch).
 """
 
-from megatron_stare.algorithms import advantages, aggregation, gepo, losses, stare
 from megatron_stare.config import algorithm as config
 
 _EXPORTS = {
@@ -28,6 +28,7 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name: str):
     if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from megatron_stare.algorithms import advantages, aggregation, gepo, losses, stare
 
     modules = {"advantages": advantages, "aggregation": aggregation, "config": config, "gepo": gepo,
                "losses": losses, "stare": stare}

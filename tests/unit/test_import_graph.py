@@ -130,7 +130,7 @@ def test_production_never_imports_the_test_helpers():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["megatron_stare.config.load", "megatron_stare.preflight.cli",
+@pytest.mark.parametrize("module", ["megatron_stare.config.load", "megatron_stare.preflight.cli", "megatron_stare.algorithms",
                                     "megatron_stare.runtime.rendezvous", "megatron_stare.rewards"])
 def test_light_modules_do_not_import_torch(module):
     """The config (and the launch preflight, and reward workers) must stay light: no torch, no losses."""

@@ -164,9 +164,7 @@ def save_sharded(sharded_state_dict: dict, out_dir: PathLike, groups: ParallelGr
     strategy = get_default_save_sharded_strategy()
     # Over DP x CP, as Megatron's own training does: context-parallel ranks hold replicas too.
     if fully_parallel and groups.layout.dp * groups.layout.cp > 1:
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper,
-        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelSaveStrategyWrapper)
 
         strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp_cp_group)
     request = dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=strategy,

@@ -37,8 +37,8 @@ from torch import Tensor
 
 from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.weight_sync import TensorChecksum, tensor_checksum
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
-                   sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
+                                         register_engine, sample_seed)
 from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["HFEngine", "filter_logits", "hf_engine_kwargs", "score_tokens"]

@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_stare.weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group, iter_buckets,
-                           route_address, send_each)
+from megatron_stare.weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group,
+                                        iter_buckets, route_address, send_each)
 from megatron_stare.errors import UserError
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
-                   sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
+                                         register_engine, sample_seed)
 from megatron_stare.rollout.http import EngineFailure, request_json
 from megatron_stare.rollout.routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
 from megatron_stare.rollout.interruptible import run_requests

@@ -46,8 +46,8 @@ from torch import Tensor
 from megatron_stare.errors import UserError
 from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.weight_sync import TensorChecksum
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine,
-                   sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
+                                         register_engine, sample_seed)
 from megatron_stare.rollout import vllm_cpu
 from megatron_stare.rollout.routed_experts import capture_unavailable, moe_layers, to_result_layout
 from megatron_stare.rollout.spec import EngineSpec

@@ -41,7 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from megatron_stare.checkpoint.core import finished_checkpoint
 from megatron_stare.trainer.console_lines import (PREFIX, RunSummary, eval_line, sample_records, source_of, step_line,
-                                         warning_line)
+                                                  warning_line)
 from megatron_stare.trainer.metrics import format_duration
 from megatron_stare.rollout.spawned import CONSOLE_ONLY_ENV
 from megatron_stare.runtime import notices

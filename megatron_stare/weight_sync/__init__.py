@@ -5,15 +5,15 @@ broadcast), checksums (``checksum``), and the weight groups engines form with th
 (``groups``). Used by the Megatron export, the HF checkpoint export and every rollout engine;
 everything outside imports the names below, nothing private."""
 
-from megatron_stare.weight_sync.bucket import (ALIGN_BYTES, HEADER_VERSION, Assembler, FlatBucket, StagingBuffer, TensorMeta, decode_header,
-                     assemble, dtype_from_name, dtype_name, encode_header, iter_buckets, iter_flat_buckets,
-                     pack_stream)
+from megatron_stare.weight_sync.bucket import (ALIGN_BYTES, HEADER_VERSION, Assembler, FlatBucket, StagingBuffer,
+                                               TensorMeta, decode_header, assemble, dtype_from_name, dtype_name,
+                                               encode_header, iter_buckets, iter_flat_buckets, pack_stream)
 from megatron_stare.weight_sync.checksum import TensorChecksum, compare_checksums, tensor_checksum, update_verified
 from megatron_stare.weight_sync.groups import PeerCalls, form_group, free_port, init_named_weight_group, push_to_group, route_address
-from megatron_stare.weight_sync.transport import (InProcessTransport, PeakMemory, ProcessGroupReceiver, ProcessGroupSender,
-                        SyncStats)
-from megatron_stare.weight_sync.wire import (Pending, group_link, group_link_async, isend_link, recv_bucket, recv_link, send_bucket,
-                   send_bucket_async, send_each, send_end, send_link)
+from megatron_stare.weight_sync.transport import (InProcessTransport, PeakMemory, ProcessGroupReceiver,
+                                                  ProcessGroupSender, SyncStats)
+from megatron_stare.weight_sync.wire import (Pending, group_link, group_link_async, isend_link, recv_bucket, recv_link,
+                                             send_bucket, send_bucket_async, send_each, send_end, send_link)
 
 __all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "InProcessTransport", "PeakMemory", "PeerCalls", "Pending",
            "ProcessGroupReceiver", "ProcessGroupSender", "StagingBuffer", "SyncStats", "TensorChecksum",

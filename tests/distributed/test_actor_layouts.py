@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_stare.config.algorithm import (CispoConfig, ClipCovConfig, ForkingTokensConfig, GspoConfig, KLCovConfig,
-                                              OffPolicyConfig)
+                                             OffPolicyConfig)
 from megatron_stare.testing.actor_case import run_actor_variants
 from megatron_stare.testing.distributed import run_on_ranks
 from megatron_stare.testing.megatron_tiny import CLUSTER_LAYOUT_IDS, seeded_canonical

@@ -5,8 +5,8 @@ split over context-parallel ranks)."""
 
 import torch
 
-from megatron_stare.actor.batching import (assign_data_parallel, collate, collate_packed, cp_slice,
-                                     pack_micro_batches, sequence_pad_multiple, split_mini_batches)
+from megatron_stare.actor.batching import (assign_data_parallel, collate, collate_packed, cp_slice, pack_micro_batches,
+                                           sequence_pad_multiple, split_mini_batches)
 from megatron_stare.testing.actor_case import synthetic_samples
 from megatron_stare.types import KEY_STRIDE
 

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron_stare.config.load import load_config
-from megatron_stare.plan.planner import (GiB, estimate_memory, layer_activation_bytes, main,
-                                 param_counts)
+from megatron_stare.plan.planner import (GiB, estimate_memory, layer_activation_bytes, main, param_counts)
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN32 = ROOT / "examples" / "configs" / "qwen2.5-32b.json"

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from megatron_stare.runtime.preemption import (PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS, STATUS_FILE_ENV, Preemption,
-                                       write_status)
+                                               write_status)
 from megatron_stare.testing.distributed import run_on_ranks
 
 

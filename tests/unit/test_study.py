@@ -8,8 +8,7 @@ import pytest
 from megatron_stare.study import methods as sm
 from megatron_stare.study.sft import sft_target
 from megatron_stare.study.v2 import RunSpec, StudySettings, run_key, study_specs, tuning_specs
-from megatron_stare.study.report import (goals, goals_values_md, medians_md, pearson, summarize_run,
-                                              theory_pairs)
+from megatron_stare.study.report import (goals, goals_values_md, medians_md, pearson, summarize_run, theory_pairs)
 from megatron_stare.rewards import get_reward_fn, make_task
 from megatron_stare.rewards.pick_sum import parse_response, pick_sum_reward
 

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.trainer.sync_probe import (BOUNDS, MismatchWatch, ProbeGap, SyncCheckError, SyncProbe, bound_for,
-                                              probe_prompts)
+                                               probe_prompts)
 
 
 def test_bound_is_the_least_precise_sides():

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_stare.study.word_problems import (DEFAULT_TIERS, INSTRUCTION, STUDY_TIERS, TIERS, compute_score,
-                                               extract_answer, make_rows)
+                                                extract_answer, make_rows)
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -36,7 +36,7 @@ def test_hashing_file_digest_is_the_files_sha256(tmp_path):
 
 _SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, os, sys, time
-    from megatron_stare import checkpoint_writer as cw
+    from megatron_stare.checkpoint import writer as cw
 
     os.register_at_fork(before=cw._remember_parent)
 

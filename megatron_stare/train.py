@@ -63,7 +63,7 @@ from megatron_stare.runtime.phases import (GATHER, GENERATE, OFFLOAD, ONLOAD, RE
                                            SCORE, SYNC, TRAIN, Phase)
 from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
-from megatron_stare.rollout.vllm_fleet import EngineLost
+from megatron_stare.rollout.engines.vllm_server.fleet import EngineLost
 from megatron_stare.checkpoint.schedule import SaveClock
 from megatron_stare.trainer.step_interrupt import StepInterrupts
 from megatron_stare.trainer.sync_probe import MismatchWatch, SyncCheckError, SyncProbe, bound_for, probe_gap, sample_sources
@@ -161,8 +161,8 @@ class Trainer:
                         if server is not None and server.proc is not None else "in the rank's process")
         self.probe = SyncProbe.for_run(cfg, self.tokenizer, self.engine_spec)  # None unless verify_sync=probe
         self._probe_now = False  # a restarted server's first push is probed whatever the schedule says
-        # A lost rollout server is restarted and re-synced (rollout/recovery.py, vllm_fleet.py).
-        self.recovery = EngineRecovery(self.engine, cfg.rollout.engine == "vllm-server"
+        # A lost rollout server is restarted and re-synced (rollout/recovery.py, rollout/engines/vllm_server/fleet.py).
+        self.recovery = EngineRecovery(self.engine, self.engine_spec.traits.restarts_servers
                                        and cfg.rollout.max_engine_restarts > 0, self.groups.device, self.console.note)
         self.mismatch_watch = MismatchWatch(bound_for(m.dtype, self.engine_spec.dtype)[0])
         self.interrupts = StepInterrupts(self)  # a signal inside a step's rollout stops it (step_interrupt.py)

@@ -1,5 +1,7 @@
 """``resolve``: a registered object by name, or a user's object by dotted path - the one lookup
 behind ``reward.fn`` (``rewards/lookup.py``) and ``rollout.multi_turn.env`` (``envs/base.py``).
+``import_subpackages``: the folders of a package, imported - how engine and model-family
+folders are found (``rollout/engines/``, ``models/families/``).
 
 ``'pkg.mod:attr'`` imports ``pkg.mod`` and takes ``attr`` (which may itself be dotted);
 ``'pkg.mod.attr'`` splits at the last dot. Every problem is one line of ``error``, naming the
@@ -9,7 +11,17 @@ config field, e.g. ``reward.fn: cannot import 'foo.bar:baz' (No module named 'fo
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping, Type
+import pkgutil
+from types import ModuleType
+from typing import Any, List, Mapping, Type
+
+
+def import_subpackages(package: str) -> List[ModuleType]:
+    """Every direct subpackage (folder with an ``__init__.py``) of ``package``, imported, sorted by
+    name; a folder appended to the package's ``__path__`` counts too."""
+    pkg = importlib.import_module(package)
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.ispkg)
+    return [importlib.import_module(f"{package}.{name}") for name in names]
 
 
 def resolve(spec: str, registry: Mapping[str, Any], *, field: str, noun: str, kind: str,

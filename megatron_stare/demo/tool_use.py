@@ -30,7 +30,7 @@ from megatron_stare.envs import make_env
 from megatron_stare.models.tiny import build_tiny_hf_model
 from megatron_stare.rewards.synthetic import make_task, write_jsonl
 from megatron_stare.rollout import SamplingParams
-from megatron_stare.rollout.hf_engine import HFEngine
+from megatron_stare.rollout.engines.hf.engine import HFEngine
 from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,26 +1,24 @@
 """Registry of HF architectures this project can map to Megatron (a dict and a decorator).
 
-Each architecture family (``qwen2``, ``llama``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``) is a class registered under its HF
-``architectures`` names (``Qwen2ForCausalLM`` ...) and its ``model_type``. ``family_for_config``
-picks the family of an HF ``config.json``; an unknown architecture is one ValueError that names
-it and lists the supported ones. The family modules register themselves on import;
-``_ensure_loaded`` imports them so callers only need this module.
+Each architecture family is a folder of ``models/families/`` (``qwen2``, ``llama``, ``qwen3``,
+``qwen3_moe``, ``qwen2_moe``) whose ``__init__.py`` defines a class - the family's spec from an
+HF config and its HF <-> Megatron mapping - registered under its HF ``architectures`` names
+(``Qwen2ForCausalLM`` ...) and its ``model_type``. ``family_for_config`` picks the family of an
+HF ``config.json``; an unknown architecture is one ValueError that names it and lists the
+supported ones. ``_ensure_loaded`` imports every family folder (``import_subpackages``), so
+adding a family is adding a folder and callers only need this module.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Dict, Type
+
+from megatron_stare.config.dotted import import_subpackages
 
 #: HF architecture name or model_type -> family class.
 ARCHITECTURES: Dict[str, Type] = {}
 #: family name ("qwen2") -> family class.
 FAMILIES: Dict[str, Type] = {}
-
-_FAMILY_MODULES = ("megatron_stare.models.qwen2", "megatron_stare.models.llama",
-                   "megatron_stare.models.qwen3", "megatron_stare.models.qwen3_moe",
-                   "megatron_stare.models.qwen2_moe")
-
 
 def register_architecture(family: str, *hf_names: str):
     """Class decorator: register a family under ``family`` and the HF names it handles."""
@@ -36,8 +34,7 @@ def register_architecture(family: str, *hf_names: str):
 
 
 def _ensure_loaded() -> None:
-    for mod in _FAMILY_MODULES:
-        importlib.import_module(mod)
+    import_subpackages("megatron_stare.models.families")  # each family registers itself on import
 
 
 def family_by_name(name: str):

@@ -40,7 +40,7 @@ class Assumptions:
     ipc_context_gib: float = 0.5
     """A CUDA context one process opens on another's GPU to map its memory over CUDA IPC: each
     of a colocated SGLang engine's TP ranks but the first maps the weight buckets on its group
-    leader's GPU (``rollout/sglang_engine.py``), and keeps that context for its life."""
+    leader's GPU (``rollout/engines/sglang/engine.py``), and keeps that context for its life."""
     moe_imbalance: float = 1.5
     """Mixture of experts: the busiest rank's routed tokens over the mean (``plan/moe.py``)."""
 

@@ -76,7 +76,7 @@ from megatron_stare.plan.moe import plan_moe
 from megatron_stare.plan.offload import OFFLOADED, OffloadPlan
 from megatron_stare.plan.sync import sync_staging
 from megatron_stare.runtime.phases import PHASES as STEP_PHASES
-from megatron_stare.rollout.spec import ENGINE_TRAITS
+from megatron_stare.rollout.engines import descriptor
 from megatron_stare.plan.save_estimate import estimate_save
 
 from megatron_stare.plan.memory import (GiB, PHASES, Assumptions, MemoryPlan, PlanLayout,  # noqa: F401
@@ -172,31 +172,35 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
     layer_input = 2.0 * s_local * h / (tp if p.sequence_parallel else 1)
 
     # Engine: on the trainer's GPUs unless it is a server attached through rollout.server_urls.
-    traits = ENGINE_TRAITS[r.engine]
-    colocated = traits.colocated or r.engine == "hf" or (traits.can_spawn and not r.server_urls)
-    etp = 1 if r.engine == "hf" else r.tp
+    # The engine's memory model comes from its folder's descriptor (rollout/engines/).
+    engine = descriptor(r.engine)
+    traits = engine.traits
+    colocated = traits.on_trainer_gpus(r.server_urls)
+    whole = engine.memory.kind == "whole_copy"  # one full copy on one GPU (hf)
+    budgeted = colocated and not whole  # a share of each GPU: weights, workspace, KV pool
+    etp = 1 if whole else r.tp
     # Colocated engines tile the world; hf and a spawned server generate the whole batch.
     instances = (world_size // etp if traits.colocated else 1) if colocated else 0
     seqs = math.ceil(t.prompts_per_step * r.n / instances) if instances else 0
-    kv_local = spec.num_query_groups / etp if r.engine != "hf" else spec.num_query_groups
+    kv_local = spec.num_query_groups if whole else spec.num_query_groups / etp
     kv_local = max(kv_local, 1.0)
-    kv_elem = 2 if r.engine != "hf" else wbytes
+    kv_elem = wbytes if whole else 2
     kv_per_token = 2.0 * L * kv_local * hd * kv_elem
     kv_needed = seqs * max_seq * kv_per_token / GiB
     eng_w = eng_kv = eng_ws = eng_sleep = 0.0
-    if colocated and r.engine != "hf":
+    if budgeted:
         ec = _counts(spec, math.ceil(spec.vocab_size / etp) * etp, kv_heads=kv_local * etp)
         eng_w = 2 * ((ec.embedding + ec.output_layer + L * (ec.attention + ec.mlp + ec.experts)) / etp
                      + L * ec.norms + ec.final_norm) / GiB
         eng_ws, eng_sleep = a.engine_workspace_gib, a.engine_asleep_gib
         eng_kv = max(r.gpu_memory_utilization * gpu_mem_gb - eng_w - eng_ws, 0.0)
-    elif r.engine == "hf":  # its release moves the weights to host memory: nothing stays
+    elif whole:  # its release moves the weights to host memory: nothing stays
         eng_w = counts.total * wbytes / GiB
         eng_kv = kv_needed
     concurrent = int(eng_kv * GiB // (max_seq * kv_per_token)) if colocated else 0
 
     # SGLang's other TP ranks map the weight buckets on their leader's GPU: a context each there.
-    ipc = (etp - 1) * a.ipc_context_gib if colocated and r.engine == "sglang" else 0.0
+    ipc = (etp - 1) * a.ipc_context_gib if colocated and engine.memory.ipc_context_per_tp_rank else 0.0
     shared = dict(engine_weights_gib=eng_w, engine_kv_gib=eng_kv, engine_workspace_gib=eng_ws,
                   engine_asleep_gib=eng_sleep, ipc_contexts_gib=ipc,
                   runtime_gib=a.runtime_gib + a.fragmentation * gpu_mem_gb)
@@ -252,7 +256,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
         kv_bytes_per_token=kv_per_token, kv_needed_gib=kv_needed, kv_concurrent_sequences=concurrent,
         replicas=replicas, prompts_per_replica=math.ceil(t.prompts_per_step / replicas),
         sync_received_gib=_counts(spec, spec.vocab_size).total * wbytes / GiB, sync_gathered_gib=gathered / GiB,
-        sync_kept_gib=eng_w if colocated and r.engine != "hf" else 0.0,
+        sync_kept_gib=eng_w if budgeted else 0.0,
         attached_servers=0 if colocated else len(r.server_urls), sync_bucket_mb=r.sync_bucket_mb,
         sync_staging=staging[stage],
         staleness=t.staleness)
@@ -266,7 +270,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
             f"the {plan.peak_phase} phase needs {plan.peak_gib:.1f} GiB on pipeline stage {plan.stage}, "
             f"more than the {gpu_mem_gb:g} GiB of a GPU; largest part: {label} "
             f"{per[plan.peak_phase]:.1f} GiB ({_hint(label, cfg, dp)})")
-    if colocated and r.engine != "hf":
+    if budgeted:
         budget = r.gpu_memory_utilization * gpu_mem_gb
         one_seq = max_seq * kv_per_token / GiB
         if eng_kv < one_seq:
@@ -275,7 +279,7 @@ def _estimate_memory(cfg: Config, hf_config: dict, world_size: int, gpu_mem_gb: 
                 f"{budget:.1f} GiB, which after its weights ({eng_w:.1f} GiB) and workspace holds "
                 f"less than one {max_seq}-token sequence's KV cache ({one_seq:.2f} GiB); raise "
                 f"rollout.gpu_memory_utilization or rollout.tp")
-    if colocated and r.engine != "hf":
+    if budgeted:
         layout.first_sync_gib = phases["sync"] if off != "none" else max(
             _phase_totals(stages[i], step_phases)["generate"] + staging[i].total / GiB for i in stages)
         if layout.first_sync_gib > gpu_mem_gb:

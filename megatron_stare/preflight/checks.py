@@ -11,10 +11,11 @@ the fix. In order:
 2. the parallel layout against the world size, the device, and the model's shape: TP divides
    the attention heads, the KV heads and the FFN width, PP the layers (``ParallelLayout``);
    the rollout engine's TP against the heads (vLLM's rules) and, colocated, the world size;
-   on CPU, the head size against the ones vLLM's CPU attention serves (read from vLLM);
-   every rollout setting the chosen engine cannot honour (``_check_engine``: SGLang without
-   CUDA, server URLs for an engine that takes none, top-p/top-k whose log-probs the trainer
-   cannot match, checksums SGLang cannot report);
+   every rollout setting the chosen engine cannot honour (``_check_engine``): by its traits
+   (SGLang without CUDA, server URLs for an engine that takes none, top-p/top-k whose
+   log-probs the trainer cannot match, checksums SGLang cannot report), then the engine's
+   own checks from its folder's descriptor (``rollout/engines/``: the hf engine's one rank;
+   on CPU, the head size vLLM's CPU attention serves);
 3. lengths: a max-length sequence fits the model's positions and one micro-batch;
 4. paths (``check_paths``), and the remaining cross-field rules (schedule, checkpoints, eval);
 5. with ``check_paths``, the preflight (``preflight.py``): what the run will read - weights,
@@ -35,15 +36,12 @@ import warnings
 from megatron_stare.config.fields import ConfigError, check_fields
 from megatron_stare.config.load import load_config
 from megatron_stare.config.sections import Config
-from megatron_stare.rollout import vllm_cpu
-from megatron_stare.rollout.spec import ENGINE_TRAITS
+from megatron_stare.rollout.engines import EngineCheck, descriptor, descriptors
 from megatron_stare.envs import EnvError, get_env_class
 from megatron_stare.models.sizes import _spec
 
 #: Estimators whose advantage compares the responses of one prompt (a group of rollout.n).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-#: Engines that run inside the trainer's ranks (their TP groups tile the world).
-COLOCATED_ENGINES = tuple(name for name, t in ENGINE_TRAITS.items() if t.colocated)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -72,7 +70,7 @@ def _model_spec(cfg: Config, hf_config: Optional[dict]):
 
 
 def _check_names(cfg: Config) -> None:
-    """The algorithm's names are registered (the registries sit above the config types)."""
+    """The algorithm's names and the engine are registered (the registries sit above the config types)."""
     from megatron_stare.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from megatron_stare.algorithms.losses import check_loss_names
 
@@ -80,15 +78,12 @@ def _check_names(cfg: Config) -> None:
     _require(a.adv_estimator in ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator must be one of "
                                                       f"{sorted(ADVANTAGE_ESTIMATORS)}, got {a.adv_estimator!r}")
     check_loss_names(a, "algorithm")
+    descriptor(cfg.rollout.engine)  # an engine is a folder of rollout/engines/
 
 
 def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
     r = cfg.rollout
-    if r.engine == "hf":
-        _require(r.tp == 1, f"rollout.tp={r.tp} but the hf engine runs on one rank; set rollout.tp=1 "
-                            f"(or use rollout.engine=vllm)")
-        return
-    if world_size is not None and r.engine in COLOCATED_ENGINES:
+    if world_size is not None and descriptor(r.engine).traits.colocated:
         _require(world_size % r.tp == 0,
                  f"rollout.tp={r.tp} does not divide the world size {world_size}; a colocated engine "
                  f"runs its TP groups inside the trainer's ranks")
@@ -103,23 +98,6 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int], spec) -> None:
              f"or replicates the KV heads); choose rollout.tp dividing {kv} or a multiple of it")
     _require(spec.ffn_hidden_size % r.tp == 0, f"rollout.tp={r.tp} does not divide the FFN width "
                                                f"{spec.ffn_hidden_size}; choose a divisor")
-
-
-def _check_cpu_attention(cfg: Config, cuda: bool, spec, world_size: Optional[int] = None) -> None:
-    """A vLLM engine on this CPU machine (colocated, or a server the driver spawns) must serve the
-    model's head size: vLLM-CPU's attention has a fixed list (read from vLLM, ``rollout/vllm_cpu.py``)."""
-    r = cfg.rollout
-    on_cpu = not cuda and (r.engine == "vllm" or r.engine == "vllm-server" and not r.server_urls)
-    if spec is None or not on_cpu:
-        return
-    problem = vllm_cpu.head_size_problem(spec.head_dim)
-    _require(problem is None, f"rollout.engine={r.engine}: {problem}")
-    # vLLM's data-parallel MoE layers gather every replica's tokens (all_gatherv), which its CPU
-    # communicator lacks (base_device_communicator.py:296): one engine over all ranks instead.
-    replicas = world_size // r.tp if r.engine == "vllm" and world_size else 1
-    _require(spec.moe is None or replicas == 1,
-             f"rollout.engine=vllm on CPU cannot run {replicas} data-parallel replicas of a mixture-of-experts "
-             f"model (vLLM-CPU has no all_gatherv for their MoE layers); set rollout.tp={world_size}")
 
 
 def _check_multi_turn(cfg: Config) -> None:
@@ -137,10 +115,12 @@ def _check_multi_turn(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_engine(cfg: Config, cuda: bool) -> None:
-    """Rollout settings the chosen engine cannot honour, one line each."""
+def _check_engine(cfg: Config, cuda: bool, world_size: Optional[int], spec) -> None:
+    """Rollout settings the chosen engine cannot honour, one line each: by its traits here, then
+    its descriptor's own checks (``rollout/engines/<name>/__init__.py``)."""
     r = cfg.rollout
-    t = ENGINE_TRAITS[r.engine]
+    engine = descriptor(r.engine)
+    t = engine.traits
     if t.cuda_only:
         _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
     if not t.server:
@@ -152,10 +132,11 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
         _require(bool(r.server_urls), f"rollout.engine={r.engine} attaches to a running server: set "
                                       f"rollout.server_urls=[http://host:port] (start the server with "
                                       f"the command python -m megatron_stare.rollout.server_cmd prints)")
-    _require(len(r.server_urls) <= 1 or r.engine == "vllm-server",
+    several = [n for n, d in descriptors().items() if d.traits.several_servers]
+    _require(len(r.server_urls) <= 1 or t.several_servers,
              f"rollout.server_urls has {len(r.server_urls)} servers; rollout.engine={r.engine} drives one "
-             f"(its weight push goes to one server); keep one, or use vllm-server, whose dispatcher "
-             f"takes several")
+             f"(its weight push goes to one server); keep one, or use {' or '.join(several)}, whose dispatcher "
+             f"takes several"),
     _require(len(set(r.server_urls)) == len(r.server_urls),
              f"rollout.server_urls lists a server twice ({r.server_urls}); list each once")
     for url in r.server_urls:
@@ -167,10 +148,11 @@ def _check_engine(cfg: Config, cuda: bool) -> None:
                                f"trainer's log-prob pass (softmax(logits / temperature) over the whole "
                                f"vocabulary) cannot match; set rollout.{name}={off:g} (rollout.eval_top_p "
                                f"still filters evaluation)")
-    if r.engine.startswith("sglang"):
-        _require(r.verify_sync != "checksums", f"rollout.verify_sync=checksums, but rollout.engine={r.engine} "
-                                               f"cannot report checksums of the weights it holds; use "
-                                               f"rollout.verify_sync=probe (any engine) or off")
+    _require(t.reports_checksums or r.verify_sync != "checksums",
+             f"rollout.verify_sync=checksums, but rollout.engine={r.engine} cannot report checksums of the "
+             f"weights it holds; use rollout.verify_sync=probe (any engine) or off")
+    for check in engine.checks:
+        check(EngineCheck(cfg=cfg, cuda=cuda, world_size=world_size, model=spec))
 
 
 def _check_lengths(cfg: Config, spec) -> None:
@@ -231,7 +213,7 @@ def _check_staleness(cfg: Config) -> None:
              f"trainer.partial_rollout_tokens=0")
     if t.staleness == 0:
         return
-    _require(ENGINE_TRAITS[r.engine].server,
+    _require(descriptor(r.engine).traits.server,
              f"trainer.staleness={t.staleness} needs a server engine that generates while the trainer "
              f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server (or sglang-server on GPUs) "
              f"or trainer.staleness=0")
@@ -254,30 +236,26 @@ def _check_offload(cfg: Config) -> None:
     """Offloading the trainer's state (``offload.py``) pays only while a colocated engine
     generates on the same GPUs between the trainer's phases."""
     t, r = cfg.trainer, cfg.rollout
-    between = COLOCATED_ENGINES + ("hf",)  # hf: in the driver's process, on its GPU
+    # In the trainer's processes (colocated, or in the driver's): a server is a process of its own.
+    between = [n for n, d in descriptors().items() if not d.traits.server]
     _require(t.offload == "none" or r.engine in between,
              f"trainer.offload={t.offload} needs an engine on the trainer's GPUs that generates between "
              f"its phases ({', '.join(between)}), but rollout.engine={r.engine}; set trainer.offload=none")
 
 
-def _check_routing_replay(cfg: Config, spec, cuda: Optional[bool]) -> None:
+def _check_routing_replay(cfg: Config, spec) -> None:
     """Routing replay needs a mixture-of-experts model, and r3 an engine that returns routes
-    (which vLLM-CPU cannot: ``rollout/routed_experts.py``)."""
+    (vLLM-CPU cannot capture them: its descriptor's check, ``rollout/vllm_cpu.py``)."""
     r = cfg.rollout
     if r.routing_replay == "none":
         return
     _require(spec is None or spec.moe is not None,
              f"rollout.routing_replay={r.routing_replay} needs a mixture-of-experts model, but "
              f"{cfg.model.path} is dense; set rollout.routing_replay=none")
-    _require(r.routing_replay != "r3" or ENGINE_TRAITS[r.engine].routed_experts,
+    _require(r.routing_replay != "r3" or descriptor(r.engine).traits.routed_experts,
              f"rollout.routing_replay=r3 needs an engine that returns routed experts "
-             f"({', '.join(n for n, t in ENGINE_TRAITS.items() if t.routed_experts)}), but "
+             f"({', '.join(n for n, d in descriptors().items() if d.traits.routed_experts)}), but "
              f"rollout.engine={r.engine}; use one of those, or rollout.routing_replay=r2")
-    if r.routing_replay == "r3" and r.engine.startswith("vllm") and cuda is False:
-        from megatron_stare.rollout.routed_experts import capture_unavailable
-
-        why = capture_unavailable(False)
-        _require(why is None, f"rollout.routing_replay=r3: {why}")
 
 
 def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[bool] = None,
@@ -333,15 +311,14 @@ def check_config(cfg: Config, world_size: Optional[int] = None, cuda: Optional[b
         if m.ref_path is not None:
             _require(os.path.isdir(m.ref_path), f"model.ref_path: directory not found: {m.ref_path}")
 
-    _check_engine(cfg, cuda)
+    _check_engine(cfg, cuda, world_size, spec)
     _require(cuda or cfg.model.attention_backend != "te",
              "model.attention_backend=te needs CUDA (transformer-engine's attention); on CPU set "
              "model.attention_backend=auto or torch")
     _check_multi_turn(cfg)
     _check_rollout_layout(cfg, world_size, spec)
-    _check_cpu_attention(cfg, cuda, spec, world_size)
     _check_lengths(cfg, spec)
-    _check_routing_replay(cfg, spec, cuda)
+    _check_routing_replay(cfg, spec)
 
     d = cfg.data
     if check_paths:

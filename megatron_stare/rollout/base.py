@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -48,8 +48,8 @@ from megatron_stare.runtime.phases import EngineMemory
 if TYPE_CHECKING:
     from megatron_stare.rollout.spec import EngineSpec
 
-__all__ = ["ENGINES", "GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
-           "register_engine", "sample_seed"]
+__all__ = ["GenerationResult", "MemoryRelease", "RolloutEngine", "SamplingParams", "batch_indices",
+           "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -284,17 +284,3 @@ class RolloutEngine(ABC):
 
     def __exit__(self, *exc):
         self.shutdown()
-
-
-#: name -> engine class; filled by ``@register_engine``.
-ENGINES: Dict[str, Type[RolloutEngine]] = {}
-
-
-def register_engine(name: str) -> Callable[[Type[RolloutEngine]], Type[RolloutEngine]]:
-    def deco(cls: Type[RolloutEngine]) -> Type[RolloutEngine]:
-        if name in ENGINES:
-            raise ValueError(f"rollout engine {name!r} registered twice")
-        cls.name = name
-        ENGINES[name] = cls
-        return cls
-    return deco

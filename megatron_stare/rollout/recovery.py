@@ -1,4 +1,4 @@
-"""The trainer's side of a lost rollout server (``vllm_fleet.py`` recovers the server itself).
+"""The trainer's side of a lost rollout server (``engines/vllm_server/fleet.py`` recovers the server itself).
 
 Only the driver rank holds the fleet; a re-sync is collective (every rank exports its shards of
 the weights). So after each generation and each weight push, every rank takes part in one small
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stare.rollout.base import GenerationResult
-from megatron_stare.rollout.vllm_fleet import EngineLost, PartialGeneration, VLLMServerFleet
+from megatron_stare.rollout.engines.vllm_server.fleet import EngineLost, PartialGeneration, VLLMServerFleet
 
 __all__ = ["Agreement", "EngineRecovery"]
 

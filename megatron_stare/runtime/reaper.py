@@ -3,7 +3,7 @@
 A rank starts helper processes it does not fully control: megatron-core's checkpoint-writer
 Manager (a ``multiprocessing`` server it keeps for the process's life, ``checkpoint/dist_ckpt.py``),
 the ``multiprocessing`` resource tracker, reward workers (``rewards/pool.py``) and engine servers
-(``rollout/vllm_server.py``, in a session of their own). On a clean exit each is ended by its
+(``rollout/engines/vllm_server/server.py``, in a session of their own). On a clean exit each is ended by its
 owner; a rank that dies of SIGKILL (the OOM killer, torchrun's kill after its shutdown timeout)
 runs no ``atexit`` hook, and the Manager - which ignores the preemption signals by design - lived
 on after such runs.

@@ -71,7 +71,7 @@ def case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(case):
-    from megatron_stare.rollout.vllm_engine import VLLMEngine
+    from megatron_stare.rollout.engines.vllm.engine import VLLMEngine
 
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     # On CPU vLLM reads gpu_memory_utilization as a share of the host's RAM: an explicit small KV

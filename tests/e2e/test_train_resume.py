@@ -345,7 +345,7 @@ def test_step_directory_converts_to_a_model_that_generates(assets, uninterrupted
 
     from megatron_stare.models.hf_io import HFCheckpointReader
     from megatron_stare.rollout import SamplingParams
-    from megatron_stare.rollout.hf_engine import HFEngine
+    from megatron_stare.rollout.engines.hf.engine import HFEngine
 
     step_dir, out = uninterrupted / "ckpt" / "step_00000004", tmp_path / "hf"
     conv = subprocess.run([sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt", str(step_dir),

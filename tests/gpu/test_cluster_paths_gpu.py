@@ -46,7 +46,7 @@ def _need_gpus(n: int) -> None:
 
 def test_weight_payload_maps_in_an_unrelated_process_over_cuda_ipc():
     _need_gpus(1)
-    from megatron_stare.rollout.sglang_engine import serialize_for_ranks
+    from megatron_stare.rollout.engines.sglang.engine import serialize_for_ranks
 
     named = [("model.norm.weight", torch.arange(64, dtype=torch.bfloat16, device="cuda")),
              ("lm_head.weight", torch.randn(256, 64, device="cuda"))]

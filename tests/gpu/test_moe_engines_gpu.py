@@ -77,7 +77,7 @@ def test_colocated_vllm_returns_the_routers_experts_also_after_a_weight_update(m
     from safetensors.torch import load_file, save_file
 
     from megatron_stare.rollout import SamplingParams
-    from megatron_stare.rollout.vllm_engine import VLLMEngine
+    from megatron_stare.rollout.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine.from_spec(_spec(tmp_path, model, "vllm"))
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -101,7 +101,7 @@ def test_colocated_vllm_returns_the_routers_experts_also_after_a_weight_update(m
 def test_vllm_server_returns_the_routers_experts(model, tmp_path):
     pytest.importorskip("vllm")
     from megatron_stare.rollout import SamplingParams
-    from megatron_stare.rollout.vllm_server import VLLMServerEngine
+    from megatron_stare.rollout.engines.vllm_server.server import VLLMServerEngine
 
     spec = _spec(tmp_path, model, "vllm-server")
     eng = VLLMServerEngine.from_spec(spec)
@@ -116,7 +116,7 @@ def test_vllm_server_returns_the_routers_experts(model, tmp_path):
 def test_sglang_moe_engine_returns_the_routers_experts(model, tmp_path):
     pytest.importorskip("sglang")
     from megatron_stare.rollout import SamplingParams
-    from megatron_stare.rollout.sglang_engine import SGLangEngine
+    from megatron_stare.rollout.engines.sglang.engine import SGLangEngine
 
     eng = SGLangEngine.from_spec(_spec(tmp_path, model, "sglang"))
     try:

@@ -3,7 +3,7 @@ real SGLang, both built from a config file through the trainer's path, checked a
 transformers across weight swaps A -> B -> A; the memory phases really free and restore GPU
 memory (``torch.cuda.mem_get_info``: SGLang's memory saver maps its memory outside PyTorch's
 caching allocator, in its scheduler processes); the log-prob convention at temperature 0.7. The
-colocated engine is an SGLang server the test's process spawns (``rollout/sglang_engine.py``),
+colocated engine is an SGLang server the test's process spawns (``rollout/engines/sglang/engine.py``),
 started here under a torchrun worker's environment.
 
 Skipped cleanly without CUDA or without sglang installed (SGLang has no CPU path; the CPU tests
@@ -26,7 +26,7 @@ import yaml
 from megatron_stare.config.load import load_config
 from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
-from megatron_stare.rollout.sglang_server import server_command
+from megatron_stare.rollout.engines.sglang_server.engine import server_command
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 
 from ..unit.test_rollout_hf import (MAX_NEW, PROMPTS, assert_matches_reference, mean_abs_logprob_gap,

@@ -130,7 +130,7 @@ def test_gpu_tied_head_follows_a_sync(tmp_path):
 
 
 def test_gpu_spawned_server_killed_is_restarted_on_its_gpu_and_takes_weights(tmp_path_factory):
-    """Recovery on a GPU (``vllm_fleet.py``): the spawned server, sharing the trainer's GPU,
+    """Recovery on a GPU (``engines/vllm_server/fleet.py``): the spawned server, sharing the trainer's GPU,
     is SIGKILLed; it comes back on the same GPU (same command, CUDA_VISIBLE_DEVICES, sleep mode),
     serves nothing until a push, and after one generates B's greedy tokens."""
     if not torch.cuda.is_available():

@@ -16,8 +16,8 @@ import pytest
 from megatron_stare.runtime.rendezvous import free_port
 from megatron_stare.rollout.base import SamplingParams
 from megatron_stare.rollout.spec import RecoveryLimits
-from megatron_stare.rollout.vllm_fleet import VLLMServerFleet
-from megatron_stare.rollout.vllm_server import EngineFailure, ServerCommand, VLLMServerEngine
+from megatron_stare.rollout.engines.vllm_server.fleet import VLLMServerFleet
+from megatron_stare.rollout.engines.vllm_server.server import EngineFailure, ServerCommand, VLLMServerEngine
 
 STAND_IN = r"""
 import http.server, sys, time

@@ -105,10 +105,10 @@ def test_graph_is_built_from_real_imports():
     g = import_graph()
     assert "megatron_stare.config.load" in g["megatron_stare.preflight.checks"]      # module level
     assert "megatron_stare.runtime.parallel" in g["megatron_stare.preflight.checks"]  # inside a function
-    assert "megatron_stare.rollout.hf_engine" in g["megatron_stare.rollout"]         # from pkg import module
+    assert "megatron_stare.rollout.vllm_cpu" in g["megatron_stare.rollout.spec"]      # from pkg import module
     modules = _modules()
     rel = ast.parse("from .base import RolloutEngine\nfrom . import spec\n").body
-    assert _targets(rel[0], "megatron_stare.rollout.hf_engine", False, modules) == ["megatron_stare.rollout.base"]
+    assert _targets(rel[0], "megatron_stare.rollout.spec", False, modules) == ["megatron_stare.rollout.base"]
     assert _targets(rel[1], "megatron_stare.rollout", True, modules) == ["megatron_stare.rollout.spec"]
     assert "megatron_stare.models.tiny" in g["megatron_stare.study.warm_start"]
     assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]

@@ -11,7 +11,7 @@ import torch
 
 from megatron_stare.actor.batching import collate
 from megatron_stare.rollout import SamplingParams
-from megatron_stare.rollout.hf_engine import HFEngine
+from megatron_stare.rollout.engines.hf.engine import HFEngine
 from megatron_stare.rollout.multiturn import MultiTurnLimits, Trajectory, generate_multiturn, multiturn_metrics
 from megatron_stare.testing.envs import EchoToolEnv, TracedEngine, traced_env
 from megatron_stare.testing.hf_models import build_tiny_hf_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_stare.rollout import SamplingParams, build_engine
-from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.rollout.engines.hf.engine import score_tokens
 from megatron_stare.rollout.partial import SegmentedBatch
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from tests.unit.test_rollout_hf import stream_state_dict

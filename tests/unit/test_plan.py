@@ -304,7 +304,7 @@ def test_recompute_auto_chooses_the_cheapest_that_fits_and_reaches_megatron():
 
 def test_colocated_sglang_budgets_its_tp_ranks_ipc_contexts():
     """Colocated SGLang at TP > 1: its other TP ranks map the weight buckets on the group leader's
-    GPU over CUDA IPC, a CUDA context each there (rollout/sglang_engine.py); vLLM opens none."""
+    GPU over CUDA IPC, a CUDA context each there (rollout/engines/sglang/engine.py); vLLM opens none."""
     hf = json.loads(QWEN7.read_text())
     vllm = estimate_memory(load_config(str(YAML7), ["rollout.tp=4"]), hf, 8, 80)
     sgl = estimate_memory(load_config(str(YAML7), ["rollout.engine=sglang", "rollout.tp=4"]), hf, 8, 80)

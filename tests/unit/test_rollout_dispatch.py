@@ -1,4 +1,4 @@
-"""Several vLLM servers behind the dispatcher (``rollout/dispatch.py``, ``rollout/vllm_fleet.py``).
+"""Several vLLM servers behind the dispatcher (``rollout/dispatch.py``, ``rollout/engines/vllm_server/fleet.py``).
 
 Two real ``vllm.entrypoints.openai.api_server`` processes on 127.0.0.1; the trainer's path builds
 the fleet from a config with ``rollout.server_urls=[a, b]``. Shown:

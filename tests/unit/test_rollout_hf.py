@@ -21,7 +21,7 @@ from megatron_stare.config.load import load_config
 from megatron_stare.preflight.checks import validate_config
 from megatron_stare.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 from megatron_stare.rollout import EngineWorld, SamplingParams, build_engine, engine_for_rank
-from megatron_stare.rollout.hf_engine import filter_logits, score_tokens
+from megatron_stare.rollout.engines.hf.engine import filter_logits, score_tokens
 from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, iter_buckets, tensor_checksum

@@ -25,8 +25,8 @@ from megatron_stare.config.load import load_config
 from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
 from megatron_stare.runtime.phases import EngineMemory
-from megatron_stare.rollout.sglang_engine import SGLangEngine, engine_kwargs
-from megatron_stare.rollout.sglang_server import SGLangServerEngine, server_command
+from megatron_stare.rollout.engines.sglang.engine import SGLangEngine, engine_kwargs
+from megatron_stare.rollout.engines.sglang_server.engine import SGLangServerEngine, server_command
 from megatron_stare.weight_sync import dtype_from_name, init_named_weight_group
 
 from ..fixtures.fake_sglang.sglang.launch_server import FLUSHED, fake_generation
@@ -323,7 +323,7 @@ def test_server_adapter_names_a_dead_server():
     import socket
     import threading
 
-    from megatron_stare.rollout.vllm_server import EngineFailure
+    from megatron_stare.rollout.engines.vllm_server.server import EngineFailure
 
     listener = socket.create_server(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_stare.rollout import SamplingParams
-from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.rollout.engines.hf.engine import score_tokens
 from megatron_stare.runtime.phases import EngineMemory
-from megatron_stare.rollout.vllm_engine import llm_kwargs
+from megatron_stare.rollout.engines.vllm.engine import llm_kwargs
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import InProcessTransport, compare_checksums, tensor_checksum
 
@@ -80,7 +80,7 @@ def test_server_command_is_vllms_own_cli(setup):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from megatron_stare.rollout.spec import EngineDevices
-    from megatron_stare.rollout.vllm_server import server_command
+    from megatron_stare.rollout.engines.vllm_server.server import server_command
 
     *_, spec = setup
     gpu = dataclasses.replace(spec, engine="vllm-server", tp=2, dtype="bfloat16", cuda=True,

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_stare.rollout import SamplingParams
-from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.rollout.engines.hf.engine import score_tokens
 from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.weight_sync import compare_checksums, tensor_checksum
@@ -304,7 +304,7 @@ def test_a_hung_server_and_a_kill_in_the_push_are_recovered_then_the_bound_ends_
     assert f"vllm-server (pid {pid}, {url}) died with exit code -9 during /v1/completions" in eng.fatal
     assert f"log {log_name}" in eng.fatal and "rollout.max_engine_restarts_per_step=2" in eng.fatal
     assert srv._proc.poll() is not None  # not restarted
-    from megatron_stare.rollout.vllm_fleet import EngineLost
+    from megatron_stare.rollout.engines.vllm_server.fleet import EngineLost
 
     with pytest.raises(EngineLost):
         eng.generate(PROMPTS[:1], GREEDY)

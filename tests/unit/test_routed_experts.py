@@ -51,7 +51,7 @@ def test_colocated_engine_converts_a_real_request_output():
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from megatron_stare.rollout.vllm_engine import from_vllm_output
+    from megatron_stare.rollout.engines.vllm.engine import from_vllm_output
 
     prompt, toks = [5, 6, 7], [11, 12, 13, 14]
     rows = _vllm_rows(n=len(prompt) + len(toks) - 1)
@@ -70,8 +70,8 @@ def test_colocated_engine_converts_a_real_request_output():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
 def test_engines_refuse_routed_experts_on_cpu_in_one_line(moe_model):
-    from megatron_stare.rollout.vllm_engine import VLLMEngine
-    from megatron_stare.rollout.vllm_server import ServerCommand, VLLMServerEngine
+    from megatron_stare.rollout.engines.vllm.engine import VLLMEngine
+    from megatron_stare.rollout.engines.vllm_server.server import ServerCommand, VLLMServerEngine
 
     why = capture_unavailable(cuda=False)
     assert why is not None and "\n" not in why and "model runner V2" in why

@@ -1,5 +1,5 @@
 """The colocated ``sglang`` engine: SGLang in a server process of its own, spawned by the TP group's
-first rank (``rollout/sglang_engine.py`` says why). SGLang cannot run on CPU, so the engine spawns
+first rank (``rollout/engines/sglang/engine.py`` says why). SGLang cannot run on CPU, so the engine spawns
 ``tests/fixtures/fake_sglang/sglang/launch_server.py``: SGLang's recorded flags and routes, its
 replies (plain-text ``/flush_cache``, ``{"success": false}`` with status 400), its memory-tag
 rules, and a scheduler child that joins torch's real ``tcp://`` rendezvous as SGLang's does.
@@ -38,8 +38,8 @@ from megatron_stare.preflight.checks import validate_config
 from megatron_stare.rollout import EngineWorld, SamplingParams, engine_for_rank
 from megatron_stare.rollout.http import EngineFailure
 from megatron_stare.runtime.phases import EngineMemory
-from megatron_stare.rollout.sglang_engine import colocated_command, engine_kwargs
-from megatron_stare.rollout.sglang_server import SEED_NOTICE
+from megatron_stare.rollout.engines.sglang.engine import colocated_command, engine_kwargs
+from megatron_stare.rollout.engines.sglang_server.engine import SEED_NOTICE
 
 from ..fixtures.fake_sglang.sglang.launch_server import parse_flags
 

@@ -16,8 +16,8 @@ from megatron_stare.config.load import load_config
 from megatron_stare.preflight.checks import validate_config
 from megatron_stare.models.tiny import build_tiny_hf_model
 from megatron_stare.rollout import EngineSpec, EngineWorld
-from megatron_stare.rollout.sglang_engine import colocated_command, engine_kwargs
-from megatron_stare.rollout.sglang_server import server_command, to_result
+from megatron_stare.rollout.engines.sglang.engine import colocated_command, engine_kwargs
+from megatron_stare.rollout.engines.sglang_server.engine import server_command, to_result
 
 from ..fixtures.fake_sglang.sglang.launch_server import fake_generation
 from .test_rollout_sglang import API, _parse_flags, _type_ok

@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from megatron_stare.rollout.hf_engine import score_tokens
+from megatron_stare.rollout.engines.hf.engine import score_tokens
 from megatron_stare.testing.hf_models import build_tiny_hf_model
 from megatron_stare.trainer.sync_probe import ProbeGap, SyncCheckError, SyncProbe, bound_for, probe_prompts
 

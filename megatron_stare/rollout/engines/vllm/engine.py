@@ -46,8 +46,7 @@ from torch import Tensor
 from megatron_stare.errors import UserError
 from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.weight_sync import TensorChecksum
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
-                                         register_engine, sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed)
 from megatron_stare.rollout import vllm_cpu
 from megatron_stare.rollout.routed_experts import capture_unavailable, moe_layers, to_result_layout
 from megatron_stare.rollout.spec import EngineSpec
@@ -118,7 +117,6 @@ def _finish_reason(reason: Optional[str]) -> str:
     raise RuntimeError(f"vLLM request ended with finish_reason={reason!r} (aborted or failed)")
 
 
-@register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """Colocated in-process vLLM.
 
@@ -139,6 +137,8 @@ class VLLMEngine(RolloutEngine):
             capture them (``rollout/routed_experts.py`` says why).
         **llm_kwargs: passed to ``vllm.LLM``.
     """
+
+    name = "vllm"
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 2048,
                  tensor_parallel_size: int = 1, distributed_executor_backend: Optional[str] = None,

@@ -35,7 +35,7 @@ process leading that session (``server_guard.py``) ends it when this process die
 Failures: a control call is bounded by ``request_timeout_s`` (per socket operation), the weight
 group's calls and collectives by ``sync_timeout_s``. A generation request has no socket timeout
 (a long generation sends nothing until it ends): its bound is progress. ``progress()`` reads the
-server's generated-token counter, and the fleet's watchdog (``vllm_fleet.py``) calls
+server's generated-token counter, and the fleet's watchdog (``engines/vllm_server/fleet.py``) calls
 ``declare_hung`` on a server whose counter stood still for ``request_timeout_s`` while requests
 were in flight, which kills a spawned server and cuts the calls in flight (``http.InFlight``). A
 call that fails on the transport (connection refused or reset, a timeout), a reply with an error
@@ -84,7 +84,7 @@ from megatron_stare.rollout.server_guard import guarded
 from megatron_stare.rollout.spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
 from megatron_stare.rollout.spec import EngineSpec
 from megatron_stare.rollout import vllm_cpu
-from megatron_stare.rollout.vllm_engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
+from megatron_stare.rollout.engines.vllm.engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
 
 __all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
 

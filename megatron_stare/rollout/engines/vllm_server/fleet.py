@@ -55,11 +55,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 from torch import Tensor
 
 from megatron_stare.weight_sync import SyncStats, TensorChecksum
-from megatron_stare.rollout.base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, register_engine
+from megatron_stare.rollout.base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices
 from megatron_stare.rollout.dispatch import UNFINISHED, BackendLost, Dispatcher, DispatchStats
 from megatron_stare.rollout.http import EngineFailure
 from megatron_stare.rollout.spec import EngineSpec, RecoveryLimits
-from megatron_stare.rollout.vllm_server import VLLMServerEngine
+from megatron_stare.rollout.engines.vllm_server.server import VLLMServerEngine
 
 __all__ = ["EngineLost", "PartialGeneration", "VLLMServerFleet"]
 
@@ -121,7 +121,6 @@ class _Watchdog:
                     self.on_hung(b)
 
 
-@register_engine("vllm-server")
 class VLLMServerFleet(RolloutEngine):
     """vLLM servers as one engine (see the module docstring).
 
@@ -132,6 +131,8 @@ class VLLMServerFleet(RolloutEngine):
             times the number of servers).
         limits: timeouts and restart bounds (``rollout.*``).
     """
+
+    name = "vllm-server"
 
     def __init__(self, servers: Sequence[VLLMServerEngine], *, policy: str = "least_work",
                  window_per_server: Optional[int] = None, limits: RecoveryLimits = RecoveryLimits()):

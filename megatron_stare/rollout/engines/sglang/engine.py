@@ -65,13 +65,13 @@ from torch import Tensor
 
 from megatron_stare.errors import UserError
 from megatron_stare.weight_sync import free_port, iter_buckets
-from megatron_stare.rollout.base import MemoryRelease, register_engine
+from megatron_stare.rollout.base import MemoryRelease
 from megatron_stare.rollout.http import ErrorReply
 from megatron_stare.runtime.phases import EngineMemory
-from megatron_stare.rollout.sglang_server import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
+from megatron_stare.rollout.engines.sglang_server.engine import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
 from megatron_stare.rollout.spawned import SpawnedServer
 from megatron_stare.rollout.spec import EngineSpec
-from megatron_stare.rollout.vllm_server import ServerCommand
+from megatron_stare.rollout.engines.vllm_server.server import ServerCommand
 
 __all__ = ["SGLangEngine", "colocated_command", "engine_kwargs", "serialize_for_ranks"]
 
@@ -119,7 +119,6 @@ def serialize_for_ranks(named: Sequence[Tuple[str, Tensor]], ranks: int) -> List
     return out
 
 
-@register_engine("sglang")
 class SGLangEngine(SGLangServerEngine):
     """SGLang colocated on the TP group's GPUs, in a server process of its own (module docstring).
 
@@ -130,6 +129,8 @@ class SGLangEngine(SGLangServerEngine):
         startup_timeout_s: how long the server may take to answer ``/health``.
         Others: as ``SGLangServerEngine``.
     """
+
+    name = "sglang"
 
     def __init__(self, command: ServerCommand, *, bucket_bytes: int = 512 << 20,
                  startup_timeout_s: float = 1800.0, request_timeout_s: float = 600.0,

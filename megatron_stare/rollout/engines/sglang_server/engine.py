@@ -24,7 +24,7 @@ resumed run does not regenerate the interrupted step's samples. The engine says 
 (``SEED_NOTICE``); deterministic inference (batch-invariant kernels) is the user's choice of
 server flags, at its cost in speed.
 
-The colocated ``sglang`` engine (``sglang_engine.py``) is this client against a server it
+The colocated ``sglang`` engine (``engines/sglang/engine.py``) is this client against a server it
 spawns on its TP group's GPUs.
 
 Memory: the server is not on the trainer's GPUs, so the release phase has nothing to free
@@ -46,13 +46,12 @@ from torch import Tensor
 from megatron_stare.weight_sync import (PeerCalls, dtype_name, form_group, group_link, init_named_weight_group,
                                         iter_buckets, route_address, send_each)
 from megatron_stare.errors import UserError
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
-                                         register_engine, sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed)
 from megatron_stare.rollout.http import EngineFailure, request_json
 from megatron_stare.rollout.routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
 from megatron_stare.rollout.interruptible import run_requests
 from megatron_stare.rollout.spec import EngineSpec
-from megatron_stare.rollout.vllm_server import ServerCommand
+from megatron_stare.rollout.engines.vllm_server.server import ServerCommand
 
 __all__ = ["RAW_LOGPROB_ENV", "SEED_NOTICE", "SGLangServerEngine", "check_logprob_env", "moe_kwargs",
            "server_command", "sglang_rows", "to_result"]
@@ -145,7 +144,6 @@ def server_command(spec: EngineSpec, host: str = "0.0.0.0", port: int = 30000) -
     return ServerCommand(tuple(argv), {RAW_LOGPROB_ENV: "false"})
 
 
-@register_engine("sglang-server")
 class SGLangServerEngine(RolloutEngine):
     """An SGLang HTTP server started elsewhere (``server_command``), driven over HTTP.
 
@@ -161,6 +159,8 @@ class SGLangServerEngine(RolloutEngine):
             server runs with ``--enable-return-routed-experts``, which ``server_command`` adds
             when the spec asks); ``model_path``: the checkpoint whose MoE layers they cover.
     """
+
+    name = "sglang-server"
 
     def __init__(self, *, base_url: str, engine_world_size: int = 1, expect: Optional[dict] = None,
                  group_host: Optional[str] = None, group_name: str = "stare_weights",

@@ -37,8 +37,7 @@ from torch import Tensor
 
 from megatron_stare.runtime.preemption import StepInterrupted
 from megatron_stare.weight_sync import TensorChecksum, tensor_checksum
-from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices,
-                                         register_engine, sample_seed)
+from megatron_stare.rollout.base import (GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed)
 from megatron_stare.rollout.spec import EngineSpec
 
 __all__ = ["HFEngine", "filter_logits", "hf_engine_kwargs", "score_tokens"]
@@ -73,7 +72,6 @@ def hf_engine_kwargs(spec: EngineSpec) -> dict:
             "dtype": {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]}
 
 
-@register_engine("hf")
 class HFEngine(RolloutEngine):
     """Embedded transformers engine.
 
@@ -83,6 +81,8 @@ class HFEngine(RolloutEngine):
         dtype: parameter dtype (fp32 by default: log-probs comparable to the trainer's fp32).
         max_batch_rows: most rows per forward pass.
     """
+
+    name = "hf"
 
     def __init__(self, model_path: str, *, device: Optional[str] = None,
                  dtype: torch.dtype = torch.float32, max_batch_rows: int = 64):

@@ -34,6 +34,15 @@ setup(
         "sglang": ["sglang>=0.5"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["megatron-stare-train=megatron_stare.train:main",
-                                      "megatron-stare-run=megatron_stare.run:main"]},
+    entry_points={
+        "console_scripts": ["megatron-stare-train=megatron_stare.train:main",
+                            "megatron-stare-run=megatron_stare.run:main"],
+        # The study's tasks and rewards live with the study (megatron_stare/study/tasks/) and are
+        # registered by name the way any installed package can register its own
+        # (megatron_stare/config/dotted.py: with_plugins).
+        "megatron_stare.rewards": [f"{t} = megatron_stare.study.tasks.{t}:{t}_reward"
+                                   for t in ("pick_sum", "sum_steps", "hop_path")],
+        "megatron_stare.tasks": [f"{t} = megatron_stare.study.tasks.{t}:{t}_row"
+                                 for t in ("pick_sum", "sum_steps", "hop_path")],
+    },
 )

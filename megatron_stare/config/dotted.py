@@ -1,7 +1,10 @@
 """``resolve``: a registered object by name, or a user's object by dotted path - the one lookup
 behind ``reward.fn`` (``rewards/lookup.py``) and ``rollout.multi_turn.env`` (``envs/base.py``).
 ``import_subpackages``: the folders of a package, imported - how engine and model-family
-folders are found (``rollout/engines/``, ``models/families/``).
+folders are found (``rollout/engines/``, ``models/families/``). ``with_plugins``: a registry
+plus the names other installed packages register in it through an entry-point group of their
+``setup.py`` (loaded only when asked for), e.g. the study's tasks and rewards
+(``megatron_stare.rewards``, ``megatron_stare.tasks``) or a user's own package.
 
 ``'pkg.mod:attr'`` imports ``pkg.mod`` and takes ``attr`` (which may itself be dotted);
 ``'pkg.mod.attr'`` splits at the last dot. Every problem is one line of ``error``, naming the
@@ -11,9 +14,33 @@ config field, e.g. ``reward.fn: cannot import 'foo.bar:baz' (No module named 'fo
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from types import ModuleType
-from typing import Any, List, Mapping, Type
+from typing import Any, Iterator, List, Mapping, Type
+
+
+class with_plugins(Mapping):
+    """``registry`` (name -> object) and the entry points of ``group``, one mapping: a registered
+    name wins; a plugin's object is imported on first lookup (``pkg.module:attr``)."""
+
+    def __init__(self, registry: Mapping[str, Any], group: str):
+        self.registry = registry
+        self.plugins = {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.registry:
+            return self.registry[name]
+        return self.plugins[name].load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted({*self.registry, *self.plugins}))
+
+    def __len__(self) -> int:
+        return len({*self.registry, *self.plugins})
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.registry or name in self.plugins
 
 
 def import_subpackages(package: str) -> List[ModuleType]:

@@ -1,7 +1,7 @@
 """Rewards: verifiers of final answers, synthetic tasks, and batch scoring beside the trainer.
 
-``get_reward_fn(cfg.reward.fn)`` resolves a registered name (``math``, ``exact_match``,
-``pick_sum``) or a dotted path; ``contract.py`` defines how a reward is called (verl's keywords
+``get_reward_fn(cfg.reward.fn)`` resolves a registered name (``math``, ``exact_match``; the
+study's ``pick_sum`` through its entry point) or a dotted path; ``contract.py`` defines how a reward is called (verl's keywords
 or ``(response, answer, metadata)``), what it returns and ``reward.by_source`` routing
 (``check_reward_config`` checks them all up front); ``RewardPool(cfg.reward)`` scores batches in worker processes with per-call time
 limits; ``shape_overlong`` adds DAPO's overlong penalty. Importing this package does not import

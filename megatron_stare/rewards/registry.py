@@ -6,7 +6,7 @@ called with verl's keywords when its parameters are named so::
     compute_score(data_source, solution_str, ground_truth, extra_info) -> float | bool | dict
 
 (those of the four it takes; other parameters need defaults; ``**kwargs`` gets all four), else
-positionally, as the built-ins (``exact_match``, ``math``, ``pick_sum``) are::
+positionally, as the built-ins (``exact_match``, ``math``) are::
 
     fn(response_text: str, answer: str, metadata: dict) -> float | bool | dict
 
@@ -33,6 +33,9 @@ RewardFn = Callable[[str, str, dict], float]
 
 #: name -> reward function; filled by ``@register_reward``.
 REWARDS: Dict[str, RewardFn] = {}
+#: The entry-point group through which an installed package registers rewards by name
+#: (``setup.py``: ``entry_points={"megatron_stare.rewards": ["name = pkg.module:function"]}``).
+REWARD_PLUGINS = "megatron_stare.rewards"
 
 
 class RewardError(UserError):

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from megatron_stare.config.dotted import with_plugins
 from megatron_stare.rewards.math_verify_reward import extract_after_marker
 from megatron_stare.rewards.registry import register_reward
 
@@ -26,6 +27,8 @@ TaskFn = Callable[..., Row]
 
 #: name -> row generator ``fn(rng: random.Random, **kw) -> {"prompt", "answer"}``.
 TASKS: Dict[str, TaskFn] = {}
+#: The entry-point group through which an installed package registers tasks by name.
+TASK_PLUGINS = "megatron_stare.tasks"
 
 
 def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
@@ -66,14 +69,18 @@ def _mul(rng: random.Random, digits: int = 3, digits2: int = 2) -> Row:
 
 
 def make_task(name: str, n: int, seed: int, **kwargs) -> List[Row]:
-    """``n`` rows of task ``name``, deterministic from ``seed`` (and ``kwargs``)."""
-    if name not in TASKS:
-        raise ValueError(f"synthetic task must be one of {sorted(TASKS)}, got {name!r}")
+    """``n`` rows of task ``name``, deterministic from ``seed`` (and ``kwargs``): a task registered
+    here, or by an installed package in the entry-point group ``megatron_stare.tasks`` (the
+    study's tasks: ``setup.py``)."""
+    tasks = with_plugins(TASKS, TASK_PLUGINS)
+    if name not in tasks:
+        raise ValueError(f"synthetic task must be one of {list(tasks)}, got {name!r}")
     if n < 0:
         raise ValueError(f"synthetic task size n must be >= 0, got {n}")
     # Seed mixes in the name so 'add' and 'sort' at the same seed are unrelated streams.
     rng = random.Random(f"{name}:{seed}")
-    return [TASKS[name](rng, **kwargs) for _ in range(n)]
+    task = tasks[name]
+    return [task(rng, **kwargs) for _ in range(n)]
 
 
 def write_jsonl(rows: Sequence[Row], path: str) -> str:

@@ -10,7 +10,7 @@ from megatron_stare.study.sft import sft_target
 from megatron_stare.study.v2 import RunSpec, StudySettings, run_key, study_specs, tuning_specs
 from megatron_stare.study.report import (goals, goals_values_md, medians_md, pearson, summarize_run, theory_pairs)
 from megatron_stare.rewards import get_reward_fn, make_task
-from megatron_stare.rewards.pick_sum import parse_response, pick_sum_reward
+from megatron_stare.study.tasks.pick_sum import parse_response, pick_sum_reward
 
 
 # ------------------------------------------------------------------------------------------------ task

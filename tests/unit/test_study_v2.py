@@ -13,8 +13,8 @@ from megatron_stare.study.report import equal_tokens, goals, summarize_run
 from megatron_stare.study.validate import Validity, pass_at_k
 from megatron_stare.trainer.generation import pass_at_j
 from megatron_stare.rewards import get_reward_fn, make_task
-from megatron_stare.rewards.hop_path import hop_path_reward, random_path, reachable
-from megatron_stare.rewards.sum_steps import random_solution, scratchpad, sum_steps_reward
+from megatron_stare.study.tasks.hop_path import hop_path_reward, random_path, reachable
+from megatron_stare.study.tasks.sum_steps import random_solution, scratchpad, sum_steps_reward
 
 
 # ------------------------------------------------------------------------------------------------ tasks

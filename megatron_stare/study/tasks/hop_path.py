@@ -26,8 +26,6 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence
 
-from megatron_stare.rewards.registry import register_reward
-from megatron_stare.rewards.synthetic import register_task
 
 Row = Dict[str, str]
 MAX_RESPONSE_CHARS = 300
@@ -59,8 +57,7 @@ def _avoid(row: Row) -> List[int]:
     return [int(x) for x in str(row.get("avoid", "")).split()]
 
 
-@register_task("hop_path")
-def _hop_path(rng: random.Random, sizes: int = 3, max_hop: int = 5, targets: str = "15,35") -> Row:
+def hop_path_row(rng: random.Random, sizes: int = 3, max_hop: int = 5, targets: str = "15,35") -> Row:
     lo, hi = (int(x) for x in str(targets).split(","))
     if not 1 <= sizes <= max_hop <= 9 or not 1 <= lo <= hi:
         raise ValueError(f"hop_path needs 1 <= sizes <= max_hop <= 9 and 1 <= lo <= hi, got "
@@ -102,4 +99,4 @@ def hop_path_reward(response_text: str, answer: str, metadata: Optional[dict] = 
     return 1.0 if prev == int(str(answer).strip()) else 0.0
 
 
-hop_path = register_reward("hop_path")(hop_path_reward)
+hop_path = hop_path_reward

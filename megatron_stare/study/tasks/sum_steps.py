@@ -31,8 +31,6 @@ import random
 import re
 from typing import Dict, List, Optional, Sequence
 
-from megatron_stare.rewards.registry import register_reward
-from megatron_stare.rewards.synthetic import register_task
 
 Row = Dict[str, str]
 _STEP = re.compile(r"^(\d{1,2})\+(\d)=(\d{1,2})$")
@@ -60,8 +58,7 @@ def random_solution(row: Row, rng: random.Random) -> str:
     return " " + scratchpad(order)
 
 
-@register_task("sum_steps")
-def _sum_steps(rng: random.Random, length: int = 8, terms: str = "3,4,5", min_solutions: int = 2) -> Row:
+def sum_steps_row(rng: random.Random, length: int = 8, terms: str = "3,4,5", min_solutions: int = 2) -> Row:
     ks = [int(k) for k in str(terms).split(",")]
     if not all(2 <= k <= length <= 10 for k in ks):
         raise ValueError(f"sum_steps needs 2 <= terms <= length <= 10, got terms={terms!r} length={length}")
@@ -113,4 +110,4 @@ def sum_steps_reward(response_text: str, answer: str, metadata: Optional[dict] =
     return 1.0 if ok else 0.0
 
 
-sum_steps = register_reward("sum_steps")(sum_steps_reward)
+sum_steps = sum_steps_reward

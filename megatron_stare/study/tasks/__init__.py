@@ -2,10 +2,10 @@
 
 - ``pick_sum`` (study v1): pick 2 of 6 digits that sum to N, 5-token responses.
 - ``sum_steps`` (a study v2 candidate): pick k of 8 digits (k in 3..5) that sum to N, with the
-  running sums written out (``rewards/sum_steps.py``): 16-32-token responses, a fork at every pick.
+  running sums written out (``study/tasks/sum_steps.py``): 16-32-token responses, a fork at every pick.
   Its warm start failed the validity checks (docs/study.md, "Study v2"); kept for comparison.
 - ``hop_path`` (study v2): reach N (15-50) from 0 in hops of 3 offered sizes avoiding 2 positions,
-  every position written (``rewards/hop_path.py``): 20-60-token responses, a fork at every position.
+  every position written (``study/tasks/hop_path.py``): 20-60-token responses, a fork at every position.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Optional
 
 from megatron_stare.study.methods import GRIDS, SHARED, method_overrides
 
-from megatron_stare.rewards.hop_path import random_path
-from megatron_stare.rewards.sum_steps import random_solution
+from megatron_stare.study.tasks.hop_path import random_path
+from megatron_stare.study.tasks.sum_steps import random_solution
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -27,8 +27,6 @@ import random
 import re
 from typing import Dict, List, Optional
 
-from megatron_stare.rewards.registry import register_reward
-from megatron_stare.rewards.synthetic import register_task
 
 Row = Dict[str, str]
 _RESPONSE = re.compile(r"^\s*(\d(?:\s*\+\s*\d)*)\s*$")
@@ -44,8 +42,7 @@ def solutions(digits: List[int], terms: int, target: int) -> List[str]:
     return sorted(out)
 
 
-@register_task("pick_sum")
-def _pick_sum(rng: random.Random, length: int = 6, terms: int = 2, min_solutions: int = 2) -> Row:
+def pick_sum_row(rng: random.Random, length: int = 6, terms: int = 2, min_solutions: int = 2) -> Row:
     if not 1 <= terms <= length <= MAX_DIGITS:
         raise ValueError(f"pick_sum needs 1 <= terms <= length <= {MAX_DIGITS}, got terms={terms} length={length}")
     for _ in range(1000):
@@ -83,4 +80,4 @@ def pick_sum_reward(response_text: str, answer: str, metadata: Optional[dict] = 
     return 1.0 if ok else 0.0
 
 
-pick_sum = register_reward("pick_sum")(pick_sum_reward)
+pick_sum = pick_sum_reward

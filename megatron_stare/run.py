@@ -34,17 +34,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import json
 import tempfile
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from megatron_stare.runtime.preemption import INTERRUPTED_EXIT_CODE, REPEAT_WINDOW_S, STATUS_FILE_ENV
+from megatron_stare.runtime.preemption import (ENGINES_SUFFIX, INTERRUPTED_EXIT_CODE, REPEAT_WINDOW_S, STATUS_FILE_ENV,
+                                              read_engines)
 
 #: torchrun's signals: its defaults and SIGUSR1 (launch/common.sh), without SIGINT (ours).
 TORCHRUN_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1"
@@ -53,38 +53,6 @@ KILL_AFTER_S = 3.0
 _RENDEZVOUS_FLAGS = ("--standalone", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                      "--master_addr")
 USAGE = "usage: python -m megatron_stare.run [torchrun options] --config X.yaml [a.b=c ...]"
-#: Beside the status file: one JSON line per rank that hosts a colocated engine (``note_engine``).
-ENGINES_SUFFIX = ".engines"
-
-
-def note_engine(engine: str, where: str) -> None:
-    """Record that this rank hosts a colocated ``engine`` (``where``: in its process, or a
-    server's pid and log), for the launcher's line if the rank dies (module docstring)."""
-    path = os.environ.get(STATUS_FILE_ENV)
-    if not path:
-        return
-    line = json.dumps({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "engine": engine,
-                       "where": where})
-    with open(path + ENGINES_SUFFIX, "a") as f:  # one short append per rank: whole lines
-        f.write(line + "\n")
-
-
-def read_engines(path: str) -> Dict[int, dict]:
-    """``note_engine``'s records by global rank (none if the file is absent)."""
-    out: Dict[int, dict] = {}
-    try:
-        with open(path + ENGINES_SUFFIX) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    out[int(rec["rank"])] = rec
-                except (ValueError, KeyError, TypeError):
-                    pass
-    except OSError:
-        pass
-    return out
-
-
 def engine_deaths(failures: Mapping[int, object], engines: Mapping[int, dict]) -> List[str]:
     """One line per failed rank (``ChildFailedError.failures``: rank -> ``ProcessFailure``) that
     hosted a colocated engine."""

@@ -43,26 +43,10 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 from megatron_stare.checkpoint.writer import WORKER_KILLED_EXIT, die_with_parent, watch_workers
 
-__all__ = ["BackgroundSaves", "save_run"]
+__all__ = ["BackgroundSaves"]
 
 #: How much lower the background writer process and its workers run than the rank (``os.nice``).
 WRITER_NICENESS = 10
-
-
-def save_run(trainer, step: int, state: Optional[dict] = None) -> None:
-    """Save ``trainer``'s (``train.Trainer``) state after ``step`` steps (``state``: its
-    ``trainer_state(step)``, taken now when None) into
-    ``checkpoint.dir`` (collective): reported by its console now, or, written in the background
-    (``trainer.saves`` enabled), at its finalization."""
-    from megatron_stare.checkpoint.core import save_checkpoint
-    from megatron_stare.models.provider import load_hf_config
-
-    c, hf_dir = trainer.cfg.checkpoint, trainer._hf_dir()
-    path = save_checkpoint(c.dir, step, actor=trainer.actor, groups=trainer.groups, spec=trainer.model_spec,
-                           trainer_state=state or trainer.trainer_state(step), keep_last=c.keep_last,
-                           hf_config=load_hf_config(hf_dir), hf_dir=hf_dir, background=trainer.saves)
-    if path is not None:
-        trainer.console.saved(path)
 
 
 def _write_all(calls: List[Tuple[Callable, tuple, dict]]) -> None:

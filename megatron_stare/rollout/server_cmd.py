@@ -23,16 +23,14 @@ from megatron_stare.rollout.spec import EngineDevices, EngineSpec, EngineWorld
 
 def command_for(cfg, host: str, port: Optional[int]) -> str:
     """The server command of ``cfg``'s server engine, as one shell line."""
-    from megatron_stare.rollout.engines.sglang_server import engine as sglang_server
-    from megatron_stare.rollout.engines.vllm_server import server as vllm_server
-
     r = cfg.rollout
-    builders = {"vllm-server": (vllm_server.server_command, 8000),
-                "sglang-server": (sglang_server.server_command, 30000)}
-    if r.engine not in builders:
-        raise ConfigError(f"rollout.engine={r.engine} starts no server; server_cmd is for "
-                          f"{' and '.join(builders)}")
-    build, default_port = builders[r.engine]
+    d = descriptor(r.engine)  # the server command comes from the engine's folder
+    if d.server_command is None:
+        servers = [n for n, e in descriptors().items() if e.server_command]
+        raise ConfigError(f"rollout.engine={r.engine} starts no server; server_cmd is for {' and '.join(servers)}")
+    module, _, attr = d.server_command.partition(":")
+    # The engine's module (its library's imports stay lazy inside it), loaded for this command only.
+    build, default_port = getattr(importlib.import_module(module), attr), d.default_port
     if port is None and r.server_urls:
         port = urllib.parse.urlsplit(r.server_urls[0]).port
     # The server runs on GPUs of its own: an attached server's placement (no trainer GPUs).

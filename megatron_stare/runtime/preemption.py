@@ -43,6 +43,7 @@ these signals; their parent ends them.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -209,3 +210,35 @@ def interrupted_again() -> int:
                      err=True)
     write_status(INTERRUPTED_EXIT_CODE)
     return INTERRUPTED_EXIT_CODE
+
+
+#: Beside the status file: one JSON line per rank that hosts a colocated engine (``note_engine``).
+ENGINES_SUFFIX = ".engines"
+
+
+def note_engine(engine: str, where: str) -> None:
+    """Record that this rank hosts a colocated ``engine`` (``where``: in its process, or a
+    server's pid and log), for the launcher's line if the rank dies (``run.py`` reports it)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return
+    line = json.dumps({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "engine": engine,
+                       "where": where})
+    with open(path + ENGINES_SUFFIX, "a") as f:  # one short append per rank: whole lines
+        f.write(line + "\n")
+
+
+def read_engines(path: str) -> Dict[int, dict]:
+    """``note_engine``'s records by global rank (none if the file is absent)."""
+    out: Dict[int, dict] = {}
+    try:
+        with open(path + ENGINES_SUFFIX) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    out[int(rec["rank"])] = rec
+                except (ValueError, KeyError, TypeError):
+                    pass
+    except OSError:
+        pass
+    return out

@@ -19,25 +19,59 @@ under the checkpoint's weights exactly as the uninterrupted run did.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Protocol
 
+from megatron_stare.config.sections import Config
 from megatron_stare.errors import UserError
-from megatron_stare.runtime.phases import GATHER, SCORE
+from megatron_stare.runtime.phases import GATHER, SCORE, Phase
+from megatron_stare.rollout.base import RolloutEngine
+from megatron_stare.rollout.spec import EngineSpec
 from megatron_stare.rollout.async_loop import RolloutPipeline, Span, decode_in_flight, encode_in_flight, version_metrics
 from megatron_stare.rollout.data_parallel import replica_slice
+from megatron_stare.rollout.partial import SegmentedBatch
+from megatron_stare.trainer.generation import GroupSelector, ScoredBatch, sampling_params
 
 if TYPE_CHECKING:
     from megatron_stare.rollout.async_loop import Launched
 
-__all__ = ["AsyncRollouts"]
+__all__ = ["AsyncRollouts", "SteppedTrainer"]
+
+
+class SteppedTrainer(Protocol):
+    """What the pipeline uses of the trainer (``trainer.loop.Trainer``): its rollout phases, its
+    step and the step's second half, and the state a batch is drawn from."""
+
+    cfg: Config
+    engine: Optional[RolloutEngine]
+    engine_spec: EngineSpec
+    version: int
+    """Policy versions trained into the engine's weights."""
+    sampler: Any
+    """The prompt sampler (``data.sampler``): ``next_batch()``."""
+    train_set: Any
+    """The prompts (``data.prompts``): ``batch(indices)``."""
+    phases_run: List[str]
+
+    def step(self, step: int) -> dict: ...
+
+    def rollout(self, step: int) -> Any: ...
+
+    def generate(self, prompts, params) -> Any: ...
+
+    def gather(self, results, num_prompts: int, n: int) -> Any: ...
+
+    def score(self, prompts, results) -> Any: ...
+
+    def finish_step(self, step: int, samples, rollout, t0: float, job=None) -> dict: ...
+
+    def phase(self, p: Phase) -> ContextManager[None]: ...
 
 
 class AsyncRollouts:
-    """Drives ``trainer``'s steps (a ``train.Trainer``: not imported, it imports this module)
-    through a ``RolloutPipeline``; ``saved``: the batches in flight of the checkpoint the trainer
-    resumed from (``state()`` of the run that wrote it)."""
+    """Drives ``trainer``'s steps through a ``RolloutPipeline``; ``saved``: the batches in flight
+    of the checkpoint the trainer resumed from (``state()`` of the run that wrote it)."""
 
-    def __init__(self, trainer, saved: Optional[List[dict]] = None):
+    def __init__(self, trainer: SteppedTrainer, saved: Optional[List[dict]] = None):
 
         self.tr = trainer
         t = trainer.cfg.trainer
@@ -100,8 +134,6 @@ class AsyncRollouts:
         """A step's one generation batch, drawn on the main thread in step order (or ``idx``,
         restored from a checkpoint): ``(prompt indices, prompts, params)``, seeded as
         ``Trainer.rollout``'s first batch of ``step``."""
-        from megatron_stare.trainer.generation import sampling_params
-
         tr = self.tr
         idx = tr.sampler.next_batch() if idx is None else list(idx)
         seed = (tr.cfg.trainer.seed * 100_003 + step) * 1009
@@ -111,8 +143,6 @@ class AsyncRollouts:
         """A partial-rollout batch of ``draw``: this replica's slice of its prompts, cut in
         segments of ``trainer.partial_rollout_tokens`` (``state``: restored from a checkpoint);
         None on ranks that do not generate."""
-        from megatron_stare.rollout.partial import SegmentedBatch
-
         d = self.tr.engine_spec.devices
         if not d.generates:
             return None
@@ -141,8 +171,6 @@ class AsyncRollouts:
     def _select(self, job: "Launched"):
         """Phases 2-3 of a pipelined batch on the main thread (their collectives stay here); each
         sample records the policy version it was launched under (its oldest tokens')."""
-        from megatron_stare.trainer.generation import GroupSelector, ScoredBatch
-
         tr = self.tr
         _, prompts, params = job.draw
         with tr.phase(GATHER):

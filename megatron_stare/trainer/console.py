@@ -103,6 +103,7 @@ class Console:
         """Take the run's settings (``Config``): the log file under ``logging.dir``, how often
         step lines are printed, the total steps and STARE's target entropy."""
         self.total_steps, self.log_every = cfg.trainer.total_steps, cfg.logging.log_every
+        self.samples_every = cfg.logging.samples_every
         stare_loss = cfg.algorithm.policy_loss == "stare"
         self.target_entropy = cfg.algorithm.stare.target_entropy if stare_loss else None
         self.log_dir = cfg.logging.dir
@@ -220,17 +221,16 @@ class Console:
         self.record(source_of(filename), str(message), full, logging.WARNING, category.__name__)
 
     # -------------------------------------------------------------- the story
-    def started(self, trainer) -> None:
-        """Set-up is done: the start-up summary. Libraries imported during set-up (vLLM) gave
-        their loggers console handlers: adopted here. The trainer's metrics logger and
-        tokenizer record each step (``step``)."""
+    def started(self, summary: RunSummary, logger, tokenizer) -> None:
+        """Set-up is done: the start-up ``summary``. Libraries imported during set-up (vLLM) gave
+        their loggers console handlers: adopted here. The trainer's metrics ``logger``
+        (``MetricsLogger``) and ``tokenizer`` record each step (``step``)."""
         if self._installed is not None:
             self._adopted += adopt_library_loggers()
-        self._t_ready, self._first_step = time.perf_counter(), trainer.start_step + 1
-        self._logger, self._tokenizer = trainer.logger, trainer.tokenizer
-        self.samples_every = trainer.cfg.logging.samples_every
+        self._t_ready, self._first_step = time.perf_counter(), summary.start_step + 1
+        self._logger, self._tokenizer = logger, tokenizer
         if self.rank == 0:
-            for ln in RunSummary.of(trainer).lines():
+            for ln in summary.lines():
                 self.say(ln)
 
     def already_complete(self, cfg) -> bool:

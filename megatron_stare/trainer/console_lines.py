@@ -155,10 +155,10 @@ class RunSummary:
                 f"logs {self.log_dir} (console.log, metrics.jsonl) | {ckpt}"]
 
     @classmethod
-    def of(cls, trainer) -> "RunSummary":
-        """The summary of a built ``train.Trainer``."""
-        cfg, layout = trainer.cfg, trainer.groups.layout
-        hf = json.loads((Path(trainer._hf_dir()) / "config.json").read_text())
+    def of(cls, cfg, layout, train_rows: int, eval_rows: Optional[int], start_step: int) -> "RunSummary":
+        """The summary of a run of ``cfg`` (a ``Config``, its HF model at ``model.path``) on
+        ``layout`` (a ``ParallelLayout``), starting after ``start_step`` steps."""
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
         try:
             params: Optional[int] = param_counts(hf).total
         except (ValueError, KeyError):  # an architecture the size model does not know
@@ -166,9 +166,8 @@ class RunSummary:
         arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
         c = cfg.checkpoint
         return cls(model=arch, model_path=str(cfg.model.path), params=params, tp=layout.tp, pp=layout.pp,
-                   cp=layout.cp, dp=layout.dp, engine=cfg.rollout.engine, train_rows=len(trainer.train_set),
-                   eval_rows=len(trainer.eval_set) if trainer.eval_set is not None else None,
-                   total_steps=cfg.trainer.total_steps, start_step=trainer.start_step,
+                   cp=layout.cp, dp=layout.dp, engine=cfg.rollout.engine, train_rows=train_rows, eval_rows=eval_rows,
+                   total_steps=cfg.trainer.total_steps, start_step=start_step,
                    prompts_per_step=cfg.trainer.prompts_per_step, responses_per_prompt=cfg.rollout.n,
                    log_dir=str(Path(cfg.logging.dir).absolute()),
                    checkpoint_dir=str(Path(c.dir).absolute()) if c.dir else None, save_every=c.save_every)

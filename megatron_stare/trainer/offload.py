@@ -26,8 +26,8 @@ extra package and works everywhere.
 
 Phases (``runtime/phases.py``): ``offload`` after the weight sync (before the engine restores
 its KV cache), ``onload`` after the engine released its memory (before the log-prob pass).
-Outside the step (a resume, the first sync, a checkpoint save or HF export) ``trainer_turn``
-does the same: the engine releases, the state comes back for the work, the engine's weights are
+``Handover`` runs that order, for a step and outside it (a resume, the first sync, a checkpoint
+save or HF export: ``Handover.trainer_turn``): the engine releases, the state comes back for the work, the engine's weights are
 restored and re-synced, the state leaves, the KV cache returns. So the engine is never awake
 while the state that leaves is resident, and its memory fraction may count on the freed bytes
 (the trainer offloads before the engine starts, which sizes its memory from what is free).
@@ -35,13 +35,16 @@ while the state that leaves is resident, and its memory fraction may count on th
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Literal, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple
 
 import torch
 
-__all__ = ["OFFLOAD_LEVELS", "Offloader", "StorageMove", "first_sync", "trainer_turn"]
+from megatron_stare.rollout.base import RolloutEngine
+from megatron_stare.runtime.phases import OFFLOAD, ONLOAD, RELEASE, RESUME_KV, RESUME_WEIGHTS, SYNC, Phase
+
+__all__ = ["OFFLOAD_LEVELS", "Handover", "Offloader", "StorageMove"]
 
 OFFLOAD_LEVELS = ("none", "optimizer", "all")
 Level = Literal["none", "optimizer", "all"]
@@ -191,33 +194,72 @@ class Offloader:
         return sum(m.host.numel() for m in self.moves if m.host is not None)
 
 
-@contextmanager
-def trainer_turn(trainer, kinds: Optional[Tuple[str, ...]] = None, sync: bool = False) -> Iterator[None]:
-    """Work outside the step that needs the offloaded state (``kinds``; None: all) on the device:
-    ``trainer`` (``train.Trainer``: ``offload``, ``engine``, ``sync_weights``) releases its engine,
-    brings the state back, runs the block, restores and re-syncs the engine's weights (an engine
-    may lose them while released), offloads again and restores the KV cache. Without offload,
-    just the block (then a sync if ``sync``)."""
-    off, eng = trainer.offload, trainer.engine
-    if off.level == "none":
+def _untimed(phase: Phase) -> ContextManager[None]:
+    return nullcontext()
+
+
+@dataclass
+class Handover:
+    """The engine <-> trainer handover around the trainer's work, in the order of
+    ``runtime/phases.py`` (release, onload, the work, resume_w, sync, offload, resume_kv): the
+    one place that order is spelled out, for a step (``around``, phase by phase, timed) and for
+    work outside a step (``trainer_turn``).
+
+    What it needs of the trainer is this, not the trainer: its engine on this rank (None: none),
+    its ``Offloader``, the weight sync, and how a phase is timed and watched (``phase``)."""
+
+    engine: Optional[RolloutEngine]
+    offload: "Offloader"
+    sync: Callable[[], None]
+    """Streams the trainer's weights into the engine (every rank: a collective)."""
+    phase: Callable[[Phase], ContextManager[None]] = _untimed
+
+    @contextmanager
+    def around(self, kinds: Optional[Tuple[str, ...]] = None, *, timed: bool = True, engine_sleeps: bool = True,
+               on_device: Callable[[], None] = lambda: None,
+               before_sync: Callable[[], None] = lambda: None) -> Iterator[None]:
+        """Phases 4-5 before the block (the trainer's work: ``train``), 7-10 after it, each in
+        ``self.phase`` when ``timed`` (a step's). ``engine_sleeps``: False for an engine that
+        generates through the step (asynchronous); ``on_device``: once the state is back (a
+        deferred probe); ``before_sync``: after the engine's weights are back (the pipeline
+        drains there)."""
+        eng = self.engine if engine_sleeps else None
+        phase = self.phase if timed else _untimed
+        with phase(RELEASE):
+            if eng is not None:
+                eng.release_memory()
+        with phase(ONLOAD):
+            self.offload.onload(kinds)
+            on_device()
         yield
-        if sync:
-            trainer.sync_weights()
-        return
-    if eng is not None:
-        eng.release_memory()
-    off.onload(kinds)
-    yield
-    if eng is not None:
-        eng.resume_weights()
-    trainer.sync_weights()
-    off.offload()
-    if eng is not None:
-        eng.resume_kv_cache()
+        with phase(RESUME_WEIGHTS):
+            if eng is not None:
+                eng.resume_weights()  # an engine may lose its weights while released: re-synced next
+        before_sync()
+        with phase(SYNC):
+            self.sync()
+        with phase(OFFLOAD):
+            self.offload.offload()
+        with phase(RESUME_KV):
+            if eng is not None:
+                eng.resume_kv_cache()  # sized from what the weights and the offload leave
 
+    @contextmanager
+    def trainer_turn(self, kinds: Optional[Tuple[str, ...]] = None, sync: bool = False) -> Iterator[None]:
+        """Work outside the step that needs the offloaded state (``kinds``; None: all) on the
+        device (a resume, a save, an HF export, the first sync): with offload, the step's
+        handover around it (the engine's weights re-synced after it); without, just the block
+        (then a sync if ``sync``)."""
+        if self.offload.level == "none":
+            yield
+            if sync:
+                self.sync()
+            return
+        with self.around(kinds, timed=False):
+            yield
 
-def first_sync(trainer) -> None:
-    """The run's first weight sync (the engine serves the trainer's initial or resumed weights),
-    with only the parameters back on the device."""
-    with trainer_turn(trainer, ("params",), sync=True):
-        pass
+    def first_sync(self) -> None:
+        """The run's first weight sync (the engine serves the trainer's initial or resumed
+        weights), with only the parameters back on the device."""
+        with self.trainer_turn(("params",), sync=True):
+            pass

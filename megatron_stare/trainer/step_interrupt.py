@@ -37,18 +37,23 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_stare.checkpoint.async_save import BackgroundSaves
 from megatron_stare.checkpoint.core import rng_state, set_rng_state
+from megatron_stare.config.sections import Config
+from megatron_stare.rewards.pool import RewardPool
+from megatron_stare.rollout.base import RolloutEngine
+from megatron_stare.runtime.parallel import ParallelGroups
 from megatron_stare.checkpoint.dist_ckpt import start_writer_results_queue
 from megatron_stare.runtime.preemption import PREEMPTION_SIGNALS, Preemption, StepInterrupted, exit_code
 from megatron_stare.rollout.async_loop import encode_in_flight
 from megatron_stare.runtime.phases import GENERATE, SCORE, Phase
 
-__all__ = ["INTERRUPTIBLE", "RELAY_POLL_S", "StepInterrupts"]
+__all__ = ["INTERRUPTIBLE", "RELAY_POLL_S", "InterruptibleTrainer", "StepInterrupts"]
 
 #: The phases a signal stops at once; their exits are the ranks' agreement points.
 INTERRUPTIBLE = (GENERATE.name, SCORE.name)
@@ -72,11 +77,33 @@ class StepStart:
         return {**self.trainer_state, "in_flight": encode_in_flight(self.in_flight) if self.in_flight else []}
 
 
+class InterruptibleTrainer(Protocol):
+    """What the interrupts use of the trainer (``trainer.loop.Trainer``): what a signal must reach
+    (engine, reward pool), what a save at the stop needs, and where the run stands."""
+
+    cfg: Config
+    preemption: Preemption
+    engine: Optional[RolloutEngine]
+    pool: RewardPool
+    groups: ParallelGroups
+    console: Any
+    """``trainer.console.Console``: ``preempted(...)``."""
+    saves: BackgroundSaves
+    rollouts: Any
+    """``AsyncRollouts`` (None before ``fit``): runs a step (``step``) and holds its batches in flight."""
+    start_step: int
+    saved_step: int
+
+    def save(self, step: int, state: Optional[dict] = None) -> None: ...
+
+    def trainer_state(self, step: int) -> dict: ...
+
+
 class StepInterrupts:
     """One per ``Trainer``: runs each step (``run``), tracks its phases (``phase``), and makes
     the stop decision at the interruptible phases' exits and at the step boundary."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: InterruptibleTrainer) -> None:
         self.tr = trainer
         self.pre: Preemption = trainer.preemption
         self.where = "the set-up"  # what the trainer is doing now, for the console line

@@ -38,9 +38,7 @@ def _run(rank, world, assets: Path, offload: str):
 
     tr.generate = generate
     try:
-        from megatron_stare.trainer.offload import first_sync
-
-        first_sync(tr)
+        tr.handover.first_sync()
         for s in range(2):
             m = tr.step(s)
             rows.append({k: v for k, v in m.items() if not k.startswith(("time/", "perf/", "sync/"))})

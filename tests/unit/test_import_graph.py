@@ -165,7 +165,8 @@ LAYERS = (
     ("envs", "data", "checkpoint", "actor"),
     ("rollout",),
     ("preflight",),
-    ("plan", "trainer"),
+    ("plan",),
+    ("trainer",),
     ("study",),
     ("demo",),
 )

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from megatron_stare import run
+from megatron_stare.runtime.preemption import note_engine
 
 CHILD = ("import signal, sys, time\n"
          "signal.signal(signal.SIGINT, lambda *a: print('SIGINT', flush=True))\n"
@@ -64,7 +65,7 @@ def test_a_colocated_engines_death_is_named_with_its_rank(tmp_path, monkeypatch)
     for rank, engine, where in [(0, "sglang", "server pid 4242, log /tmp/sglang_x.log"),
                                 (1, "vllm", "in the rank's process")]:
         monkeypatch.setenv("RANK", str(rank))
-        run.note_engine(engine, where)
+        note_engine(engine, where)  # what each rank's trainer does (runtime/preemption.py)
     engines = run.read_engines(str(status))
     assert sorted(engines) == [0, 1] and engines[1]["pid"] == os.getpid()
     failures = {1: ProcessFailure(local_rank=1, pid=777, exitcode=-9, error_file=str(tmp_path / "none")),

@@ -15,9 +15,26 @@ error on the one rank is what the user needs (a rendezvous problem of one node).
 
 from __future__ import annotations
 
-__all__ = ["UserError"]
+import sys
+from typing import Callable, Tuple, Type
+
+__all__ = ["UserError", "print_or_error"]
 
 
 class UserError(ValueError):
     """A problem the user fixes (a config value, a file, a server started with other flags);
     ``str()`` is one line naming the cause and the fix. Only this project raises it."""
+
+
+def print_or_error(work: Callable[[], object], errors: Tuple[Type[Exception], ...] = (UserError,)) -> int:
+    """A small command's ending: print ``work()``'s result (unless None) and return 0; one of
+    ``errors`` is one ``error: ...`` line on stderr and exit status 2 (as ``train.main`` does)."""
+    try:
+        result = work()
+        if result is not None:
+            print(result)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_stare.config.algorithm import AlgorithmConfig
+from megatron_stare.config.dotted import registrar
 
 GRPO_EPS = 1e-6
 
@@ -21,12 +22,7 @@ AdvantageFn = Callable[[Tensor, Tensor, AlgorithmConfig], Tensor]
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageFn] = {}
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+register_advantage = registrar(ADVANTAGE_ESTIMATORS, "advantage estimator")
 
 
 def compute_advantages(rewards: Tensor, group_ids: Tensor, cfg: AlgorithmConfig) -> Tensor:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron_stare.config.dotted import registrar
 from torch import Tensor
 
 
@@ -114,12 +115,7 @@ AggFn = Callable[[Tensor, Tensor, LossDenominators, Tensor, Optional[float]], Te
 AGG_MODES: Dict[str, AggFn] = {}
 
 
-def register_agg_mode(name: str) -> Callable[[AggFn], AggFn]:
-    def deco(fn: AggFn) -> AggFn:
-        AGG_MODES[name] = fn
-        return fn
-
-    return deco
+register_agg_mode = registrar(AGG_MODES, "aggregation mode")
 
 
 def _safe(d: float) -> float:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
 from megatron_stare.algorithms.stare import broadcast_advantages
-from megatron_stare.ops.selection import KSpec, TopKThreshold, topk_mask, topk_threshold
+from megatron_stare.ops.selection import KSpec, TopKThreshold, local_topk_among, selected_among, topk_threshold
 
 _M32 = 0xFFFFFFFF
 _FIXED_SCALE = float(2**24)
@@ -121,19 +121,6 @@ def _threshold(values: Tensor, keys: Tensor, cand: Tensor, k: KSpec, group) -> O
     return thr if thr.k else None
 
 
-def _apply(thr: Optional[TopKThreshold], values: Tensor, keys: Tensor, cand: Tensor) -> Tensor:
-    if thr is None:
-        return torch.zeros_like(cand)
-    return thr.select(values.reshape(-1), keys.reshape(-1)).reshape(cand.shape) & cand
-
-
-def _local_topk(values: Tensor, keys: Tensor, cand: Tensor, k: int) -> Tensor:
-    out = torch.zeros_like(cand)
-    if k > 0:
-        out[cand] = topk_mask(values[cand], keys[cand], k, group=None)
-    return out
-
-
 # ---------------------------------------------------------------------------- Clip-Cov
 def clip_cov_candidates(cov: Tensor, lb: float, ub: float) -> Tensor:
     return (cov > lb) & (cov < ub)
@@ -162,11 +149,11 @@ def clip_cov_mask(logp, old_logp, advantages, mask, token_keys, *, lb, ub, ratio
     u = token_uniform(token_keys, seed, step)
     if selection is not None:
         cand = clip_cov_candidates(token_cov(old_logp, advantages, mask, selection.means), lb, ub)
-        return _apply(selection.threshold, u, token_keys, cand)
+        return selected_among(selection.threshold, u, token_keys, cand)
     means = local_masked_means(logp, advantages, mask)
     cand = clip_cov_candidates(token_cov(logp, advantages, mask, means), lb, ub) & ~clipped
     k = min(max(1, floor_frac(means.num_valid, ratio)), int(cand.sum()))
-    return _local_topk(u, token_keys, cand, k)
+    return local_topk_among(u, token_keys, cand, k)
 
 
 # ---------------------------------------------------------------------------- KL-Cov
@@ -190,6 +177,6 @@ def kl_cov_mask(logp, old_logp, advantages, mask, token_keys, *, ratio, selectio
     valid = mask.bool()
     if selection is not None:
         cov = token_cov(old_logp, advantages, mask, selection.means)
-        return _apply(selection.threshold, cov, token_keys, valid)
+        return selected_among(selection.threshold, cov, token_keys, valid)
     means = local_masked_means(logp, advantages, mask)
-    return _local_topk(token_cov(logp, advantages, mask, means), token_keys, valid, kl_cov_k(means.num_valid, ratio))
+    return local_topk_among(token_cov(logp, advantages, mask, means), token_keys, valid, kl_cov_k(means.num_valid, ratio))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 import torch
+from megatron_stare.config.dotted import registrar
 from torch import Tensor
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
@@ -19,12 +20,7 @@ KL_ESTIMATORS: Dict[str, KLFn] = {}
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
-def register_kl(name: str) -> Callable[[KLFn], KLFn]:
-    def deco(fn: KLFn) -> KLFn:
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+register_kl = registrar(KL_ESTIMATORS, "KL estimator")
 
 
 @register_kl("k1")

@@ -21,7 +21,7 @@ Total loss = agg(policy token loss) - entropy_coeff * agg(H) + kl_loss_coef * ag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from megatron_stare.config.fields import ConfigError
 from megatron_stare.algorithms.stare import (StareSelection, StareState, broadcast_advantages, stare_global_selection,
                                              stare_k, stare_weights)
 from megatron_stare.ops.selection import TopKThreshold, topk_threshold
+from megatron_stare.config.dotted import registrar
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -224,12 +225,7 @@ class PolicyLoss:
 POLICY_LOSSES: Dict[str, Type[PolicyLoss]] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[Type[PolicyLoss]], Type[PolicyLoss]]:
-    def deco(cls: Type[PolicyLoss]) -> Type[PolicyLoss]:
-        POLICY_LOSSES[name] = cls
-        return cls
-
-    return deco
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
 def check_loss_names(cfg: AlgorithmConfig, prefix: str = "algorithm") -> None:

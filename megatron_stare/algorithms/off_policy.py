@@ -36,6 +36,7 @@ from torch import Tensor
 
 from megatron_stare.algorithms.aggregation import all_reduce_sum
 from megatron_stare.config.algorithm import AlgorithmConfig, OffPolicyConfig, parse_off_policy
+from megatron_stare.config.dotted import registrar
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,7 @@ RuleFn = Callable[[RuleInput], Tuple[Optional[Tensor], Tensor]]
 OFF_POLICY_RULES: Dict[str, RuleFn] = {}
 
 
-def register_rule(name: str) -> Callable[[RuleFn], RuleFn]:
-    def deco(fn: RuleFn) -> RuleFn:
-        OFF_POLICY_RULES[name] = fn
-        return fn
-
-    return deco
+register_rule = registrar(OFF_POLICY_RULES, "off-policy rule")
 
 
 def _row(x: Tensor, like: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_stare.config.algorithm import StareConfig
-from megatron_stare.ops.selection import TopKThreshold, topk_mask, topk_thresholds
+from megatron_stare.ops.selection import TopKThreshold, local_topk_among, selected_among, topk_thresholds
 
 
 def stare_k(n: int, p: float) -> int:
@@ -152,20 +152,6 @@ def stare_global_selection(
     return StareSelection(pos=pos, neg=neg, k_pos=thr[0].k, k_neg=thr[1].k if len(thr) > 1 else 0)
 
 
-def _select(thr: Optional[TopKThreshold], s: Tensor, keys: Tensor, cand: Tensor) -> Tensor:
-    if thr is None:
-        return torch.zeros_like(cand)
-    return thr.select(s.reshape(-1), keys.reshape(-1)).reshape(cand.shape) & cand
-
-
-def _local_topk(s: Tensor, keys: Tensor, cand: Tensor, p: float) -> Tensor:
-    out = torch.zeros_like(cand)
-    k = stare_k(int(cand.sum()), p)
-    if k > 0:
-        out[cand] = topk_mask(s[cand], keys[cand], k, group=None)
-    return out
-
-
 @torch.no_grad()
 def stare_weights(
     surprisal: Tensor,
@@ -190,13 +176,13 @@ def stare_weights(
         if cfg.selection_scope == "global":
             if selection is None:
                 raise ValueError("algorithm.stare.selection_scope 'global' needs the mini-batch StareSelection")
-            sel_pos = _select(selection.pos, s, token_keys, t_pos)
+            sel_pos = selected_among(selection.pos, s, token_keys, t_pos)
             if cfg.variant == "C2":
-                sel_neg = _select(selection.neg, s, token_keys, t_neg)
+                sel_neg = selected_among(selection.neg, s, token_keys, t_neg)
         else:
-            sel_pos = _local_topk(s, token_keys, t_pos, cfg.top_p)
+            sel_pos = local_topk_among(s, token_keys, t_pos, stare_k(int(t_pos.sum()), cfg.top_p))
             if cfg.variant == "C2":
-                sel_neg = _local_topk(s, token_keys, t_neg, cfg.top_p)
+                sel_neg = local_topk_among(s, token_keys, t_neg, stare_k(int(t_neg.sum()), cfg.top_p))
     omega = torch.ones_like(s)
     omega = torch.where(sel_pos, torch.full_like(s, state.w), omega)
     omega = torch.where(sel_neg, torch.full_like(s, state.m), omega)

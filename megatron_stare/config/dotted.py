@@ -1,8 +1,9 @@
 """``resolve``: a registered object by name, or a user's object by dotted path - the one lookup
 behind ``reward.fn`` (``rewards/lookup.py``) and ``rollout.multi_turn.env`` (``envs/base.py``).
 ``import_subpackages``: the folders of a package, imported - how engine and model-family
-folders are found (``rollout/engines/``, ``models/families/``). ``with_plugins``: a registry
-plus the names other installed packages register in it through an entry-point group of their
+folders are found (``rollout/engines/``, ``models/families/``). ``registrar``: the one
+decorator factory behind every small registry (rewards, tasks, losses, advantages, ...).
+``with_plugins``: a registry plus the names other installed packages register in it through an entry-point group of their
 ``setup.py`` (loaded only when asked for), e.g. the study's tasks and rewards
 (``megatron_stare.rewards``, ``megatron_stare.tasks``) or a user's own package.
 
@@ -17,7 +18,25 @@ import importlib
 import importlib.metadata
 import pkgutil
 from types import ModuleType
-from typing import Any, Iterator, List, Mapping, Type
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Type, TypeVar
+
+T = TypeVar("T")
+
+
+def registrar(table: Dict[str, Any], kind: str) -> Callable[[str], Callable[[T], T]]:
+    """``register = registrar(TABLE, "reward")``; ``@register("name")`` adds the decorated object to
+    ``TABLE`` under ``name`` and returns it unchanged; a name registered twice is a ValueError."""
+
+    def register(name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in table:
+                raise ValueError(f"{kind} {name!r} registered twice")
+            table[name] = obj
+            return obj
+
+        return deco
+
+    return register
 
 
 class with_plugins(Mapping):

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from megatron_stare.errors import UserError
+from megatron_stare.config.dotted import registrar
 
 
 __all__ = ["ENVIRONMENTS", "EnvError", "EnvStep", "Environment", "register_env"]
@@ -80,10 +81,4 @@ class Environment(ABC):
 ENVIRONMENTS: Dict[str, Type[Environment]] = {}
 
 
-def register_env(name: str) -> Callable[[Type[Environment]], Type[Environment]]:
-    def deco(cls: Type[Environment]) -> Type[Environment]:
-        if name in ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} registered twice")
-        ENVIRONMENTS[name] = cls
-        return cls
-    return deco
+register_env = registrar(ENVIRONMENTS, "environment")

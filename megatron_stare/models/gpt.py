@@ -171,12 +171,9 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, *, cp: int = 1, dtype: t
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        # The fused kernels need CUDA extensions (apex, TE) this path does not assume: all off.
+        **dict.fromkeys(("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                         "apply_rope_fusion", "gradient_accumulation_fusion", "persist_layer_norm"), False),
         variable_seq_lengths=True,  # micro-batches of a token budget differ in length
         moe_token_dispatcher_type="alltoall",  # (only so Megatron accepts variable lengths)
     )

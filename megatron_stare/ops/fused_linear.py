@@ -29,6 +29,7 @@ from megatron_stare.ops.vocab_parallel import (
     VocabShard,
     check_target_range,
     compute_dtype,
+    forward_outputs,
     reduce_and_finish,
     rescale_stats,
     resolve_shard,
@@ -149,14 +150,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                                            need_sens, chunk, vchunk)
         ctx.save_for_backward(hidden, weight, targets, lse, ent if entropy_grad else None)
         ctx.cfg = (shard, temperature, chunk, vchunk)
-        empty = logp.new_empty(0)
-        outs = [logp, ent if need_ent else empty, p2 if need_sens else empty,
-                p2l if need_sens else empty]
-        ctx.mark_non_differentiable(*outs[2:])
-        if not entropy_grad:
-            ctx.mark_non_differentiable(outs[1])
-        ctx.set_materialize_grads(False)
-        return tuple(outs)
+        return forward_outputs(ctx, logp, ent, p2, p2l, need_ent, entropy_grad, need_sens)
 
     @staticmethod
     def backward(ctx, g_lp, g_h, _g_p2, _g_p2l):

@@ -66,7 +66,8 @@ from megatron_stare.ops.radix_select import (
     top_digits,
 )
 
-__all__ = ["KSpec", "TopKThreshold", "kth_largest", "topk_mask", "topk_threshold", "topk_thresholds"]
+__all__ = ["KSpec", "TopKThreshold", "kth_largest", "local_topk_among", "selected_among", "topk_mask", "topk_threshold",
+           "topk_thresholds"]
 
 # Defaults chosen by measurement (benchmarks/bench_selection.py, docs/performance.md).
 RADIX_BITS = 16
@@ -315,6 +316,24 @@ def topk_mask(values: Tensor, keys: Tensor, k: KSpec, group: Optional[dist.Proce
     :func:`topk_threshold`, which takes the same keyword knobs); exactly ``k`` True entries
     summed over ``group``."""
     return topk_threshold(values, keys, k, group, **knobs).select(values, keys)
+
+
+def selected_among(thr: Optional[TopKThreshold], values: Tensor, keys: Tensor, cand: Tensor) -> Tensor:
+    """Bool ``[B, T]``: the candidates (``cand``, ``[B, T]`` bool) that a global threshold
+    (``thr``, found over the candidates' ``values`` and ``keys``, both ``[B, T]``) selects; none
+    when ``thr`` is None (nothing to select anywhere)."""
+    if thr is None:
+        return torch.zeros_like(cand)
+    return thr.select(values.reshape(-1), keys.reshape(-1)).reshape(cand.shape) & cand
+
+
+def local_topk_among(values: Tensor, keys: Tensor, cand: Tensor, k: int) -> Tensor:
+    """Bool ``[B, T]``: the top ``k`` of the candidates (``cand``) on this rank alone, ties
+    broken by ``keys`` (the local selection scope)."""
+    out = torch.zeros_like(cand)
+    if k > 0:
+        out[cand] = topk_mask(values[cand], keys[cand], k, group=None)
+    return out
 
 
 def kth_largest(values: Tensor, k: int, group: Optional[dist.ProcessGroup] = None, *,

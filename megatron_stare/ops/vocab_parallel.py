@@ -334,6 +334,21 @@ def _backward(logits, targets, shard: VocabShard, temperature, lse, h, g_lp, g_h
     return grad
 
 
+def forward_outputs(ctx, logp: Tensor, ent: Tensor, p2: Tensor, p2l: Tensor, need_entropy: bool,
+                    entropy_grad: bool, need_sens: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four outputs of a log-prob autograd function (this one and ``fused_linear.py``'s):
+    ``[T]`` log-probs, entropy, and the sensitivity statistics (empty where not asked for); only
+    the log-probs and, with ``entropy_grad``, the entropy carry gradients; gradients that do not
+    arrive stay None (``set_materialize_grads(False)``)."""
+    empty = logp.new_empty(0)
+    outs = (logp, ent if need_entropy else empty, p2 if need_sens else empty, p2l if need_sens else empty)
+    ctx.mark_non_differentiable(*outs[2:])
+    if not entropy_grad:
+        ctx.mark_non_differentiable(outs[1])
+    ctx.set_materialize_grads(False)
+    return outs
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, shard, temperature, need_entropy, entropy_grad, need_sens,
@@ -344,14 +359,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         # Only [T]-sized statistics are saved; `logits` is the caller's tensor, not a copy.
         ctx.save_for_backward(logits, targets, lse, ent if entropy_grad else None)
         ctx.cfg = (shard, temperature, chunk)
-        empty = logp.new_empty(0)
-        outs = [logp, ent if need_entropy else empty, p2 if need_sens else empty,
-                p2l if need_sens else empty]
-        ctx.mark_non_differentiable(*outs[2:])
-        if not entropy_grad:
-            ctx.mark_non_differentiable(outs[1])
-        ctx.set_materialize_grads(False)
-        return tuple(outs)
+        return forward_outputs(ctx, logp, ent, p2, p2l, need_entropy, entropy_grad, need_sens)
 
     @staticmethod
     def backward(ctx, g_lp, g_h, _g_p2, _g_p2l):

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator
 
 from megatron_stare.errors import UserError
+from megatron_stare.config.dotted import registrar
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -50,16 +51,8 @@ class RewardTimeout(BaseException):
     """
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator (for a function or a callable instance) adding it to ``REWARDS`` as ``name``."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} registered twice")
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+#: Decorator (for a function or a callable instance) adding it to ``REWARDS`` as ``name``.
+register_reward = registrar(REWARDS, "reward")
 
 
 # ------------------------------------------------------------------------------------------------

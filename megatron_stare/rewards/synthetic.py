@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from megatron_stare.config.dotted import with_plugins
+from megatron_stare.config.dotted import registrar, with_plugins
 from megatron_stare.rewards.math_verify_reward import extract_after_marker
 from megatron_stare.rewards.registry import register_reward
 
@@ -31,14 +31,7 @@ TASKS: Dict[str, TaskFn] = {}
 TASK_PLUGINS = "megatron_stare.tasks"
 
 
-def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
-    def deco(fn: TaskFn) -> TaskFn:
-        if name in TASKS:
-            raise ValueError(f"synthetic task {name!r} registered twice")
-        TASKS[name] = fn
-        return fn
-
-    return deco
+register_task = registrar(TASKS, "synthetic task")
 
 
 @register_task("add")

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from megatron_stare.config.load import ConfigError, load_config
 from megatron_stare.rollout.engines import descriptor, descriptors
 from megatron_stare.rollout.spec import EngineDevices, EngineSpec, EngineWorld
+from megatron_stare.errors import print_or_error
 
 
 def command_for(cfg, host: str, port: Optional[int]) -> str:
@@ -51,12 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="port (default: that of rollout.server_urls[0], else the engine's default)")
     ap.add_argument("overrides", nargs="*", help="a.b=value overrides")
     args = ap.parse_args(argv)
-    try:
-        print(command_for(load_config(args.config, args.overrides), args.host, args.port))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_or_error(lambda: command_for(load_config(args.config, args.overrides), args.host, args.port), (ConfigError,))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from megatron_stare.errors import UserError
+from megatron_stare.errors import UserError, print_or_error
 
 WAIT_ENV = "MASTER_WAIT_S"
 """Seconds a node of rank > 0 waits for node 0's store (default ``DEFAULT_WAIT_S``)."""
@@ -152,12 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--wait-s", type=float, default=None, help=f"default ${WAIT_ENV} or {DEFAULT_WAIT_S:g}")
     args = ap.parse_args(argv)
-    try:
-        check_master(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.wait_s)
-    except RendezvousError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_or_error(lambda: check_master(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                                              args.wait_s), (RendezvousError,))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,14 @@ def _legend(ax) -> None:
         ax.legend(fontsize=7, ncol=2)
 
 
+def _save(fig, ax, path: Path) -> str:
+    """The legend, the layout, the PNG at ``path``; returns the path."""
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    return str(path)
+
+
 def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int, float], out: Path,
                smooth: int = SMOOTH) -> List[str]:
     """``fig_<metric>.png`` under ``out`` for each of ``FIGURES`` the runs log and ``fig_theory.png``;
@@ -110,11 +118,7 @@ def plot_study(rows: Mapping[Tuple[int, str], List[dict]], targets: Mapping[int,
                 ax.set_ylim(0, ENTROPY_YMAX)
                 ax.set_title(f"{title}; runs reaching {top:.0f}x cut at {ENTROPY_YMAX:.0f}x", fontsize=10)
         ax.set_xlabel("step")
-        _legend(ax)
-        fig.tight_layout()
-        path = out / f"fig_{stem}.png"
-        fig.savefig(path)
-        paths.append(str(path))
+        paths.append(_save(fig, ax, out / f"fig_{stem}.png"))
     paths.append(_plot_theory(rows, methods, out))
     if any("eval/pass@32" in r for rs in rows.values() for r in rs):
         paths.append(_plot_pass_at_k(rows, methods, out))
@@ -139,11 +143,7 @@ def _plot_pass_at_k(rows, methods, out: Path) -> str:
                     else "--o", color=f"C{i}", ms=3, lw=2 if m.name.startswith("stare") else 1.2, label=m.label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
-    _legend(ax)
-    fig.tight_layout()
-    path = out / "fig_pass_at_k.png"
-    fig.savefig(path)
-    return str(path)
+    return _save(fig, ax, out / "fig_pass_at_k.png")
 
 
 def _plot_by_tokens(rows, methods, out: Path) -> str:
@@ -161,11 +161,7 @@ def _plot_by_tokens(rows, methods, out: Path) -> str:
             ax.plot(xs, _smooth([float(r[ACCURACY]) for r in rs], SMOOTH), color=f"C{i}", lw=1, alpha=0.8, label=label)
             label = None
     ax.set_xlabel("generated tokens (cumulative, every rollout batch)")
-    _legend(ax)
-    fig.tight_layout()
-    path = out / "fig_accuracy_by_tokens.png"
-    fig.savefig(path)
-    return str(path)
+    return _save(fig, ax, out / "fig_accuracy_by_tokens.png")
 
 
 def _plot_theory(rows, methods, out: Path) -> str:
@@ -185,8 +181,4 @@ def _plot_theory(rows, methods, out: Path) -> str:
     ax.axvline(0, color="k", lw=0.6)
     ax.set_xlabel(f"sum of logged pred_dH over {WINDOW} steps (per unit step size)")
     ax.set_ylabel("measured entropy change")
-    _legend(ax)
-    fig.tight_layout()
-    path = out / "fig_theory.png"
-    fig.savefig(path)
-    return str(path)
+    return _save(fig, ax, out / "fig_theory.png")

@@ -207,18 +207,12 @@ class MetricsLogger:
             self._tb.add_text("samples", text, step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._samples is not None:
-            self._samples.close()
-            self._samples = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        """Close every sink once (idempotent): the two JSONL files, TensorBoard, wandb."""
+        for name, end in (("_file", "close"), ("_samples", "close"), ("_tb", "close"), ("_wandb", "finish")):
+            sink = getattr(self, name)
+            if sink is not None:
+                getattr(sink, end)()
+                setattr(self, name, None)
 
     def __enter__(self) -> "MetricsLogger":
         return self

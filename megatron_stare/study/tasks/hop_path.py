@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence
 
+from megatron_stare.study.tasks.common import parsed_and_offered
 
 Row = Dict[str, str]
 MAX_RESPONSE_CHARS = 300
@@ -85,11 +86,10 @@ def parse_path(text: str) -> Optional[List[int]]:
 def hop_path_reward(response_text: str, answer: str, metadata: Optional[dict] = None) -> float:
     """1.0 iff every position is the previous one plus an offered hop, none is avoided, and the last
     one is ``answer``."""
-    meta = metadata or {}
-    path = parse_path(response_text)
-    if path is None or "hops" not in meta:
+    found = parsed_and_offered(response_text, metadata, parse_path, "hops")
+    if found is None:
         return 0.0
-    hops = {int(h) for h in str(meta["hops"]).split()}
+    path, meta, hops = found
     avoid = set(_avoid(meta))
     prev = 0
     for p in path:

@@ -27,6 +27,7 @@ import random
 import re
 from typing import Dict, List, Optional
 
+from megatron_stare.study.tasks.common import parsed_and_offered, target_with_solutions
 
 Row = Dict[str, str]
 _RESPONSE = re.compile(r"^\s*(\d(?:\s*\+\s*\d)*)\s*$")
@@ -47,12 +48,8 @@ def pick_sum_row(rng: random.Random, length: int = 6, terms: int = 2, min_soluti
         raise ValueError(f"pick_sum needs 1 <= terms <= length <= {MAX_DIGITS}, got terms={terms} length={length}")
     for _ in range(1000):
         ds = rng.sample(range(MAX_DIGITS), length)
-        counts: Dict[int, int] = {}
-        for combo in itertools.combinations(ds, terms):
-            counts[sum(combo)] = counts.get(sum(combo), 0) + 1
-        targets = sorted(t for t, c in counts.items() if c >= min_solutions)
-        if targets:
-            n = rng.choice(targets)
+        n = target_with_solutions(rng, ds, terms, min_solutions)
+        if n is not None:
             return {"prompt": f"Pick {terms} of {' '.join(map(str, ds))} that sum to {n}:", "answer": str(n),
                     "digits": " ".join(map(str, ds)), "terms": str(terms),
                     "solutions": "|".join(solutions(ds, terms, n))}
@@ -69,11 +66,10 @@ def parse_response(text: str) -> Optional[List[int]]:
 
 def pick_sum_reward(response_text: str, answer: str, metadata: Optional[dict] = None) -> float:
     """1.0 iff the response picks the row's number of distinct offered digits that add up to ``answer``."""
-    meta = metadata or {}
-    picked = parse_response(response_text)
-    if picked is None or "digits" not in meta:
+    found = parsed_and_offered(response_text, metadata, parse_response, "digits")
+    if found is None:
         return 0.0
-    offered = {int(c) for c in str(meta["digits"]).split()}
+    picked, meta, offered = found
     terms = int(meta.get("terms", 2))
     ok = (len(picked) == terms and len(set(picked)) == len(picked) and set(picked) <= offered
           and sum(picked) == int(str(answer).strip()))

@@ -31,6 +31,7 @@ import random
 import re
 from typing import Dict, List, Optional, Sequence
 
+from megatron_stare.study.tasks.common import parsed_and_offered, target_with_solutions
 
 Row = Dict[str, str]
 _STEP = re.compile(r"^(\d{1,2})\+(\d)=(\d{1,2})$")
@@ -65,12 +66,8 @@ def sum_steps_row(rng: random.Random, length: int = 8, terms: str = "3,4,5", min
     for _ in range(1000):
         k = rng.choice(ks)
         ds = rng.sample(range(1, 10) if length <= 9 else range(10), length)
-        counts: Dict[int, int] = {}
-        for c in itertools.combinations(ds, k):
-            counts[sum(c)] = counts.get(sum(c), 0) + 1
-        targets = sorted(t for t, c in counts.items() if c >= min_solutions)
-        if targets:
-            n = rng.choice(targets)
+        n = target_with_solutions(rng, ds, k, min_solutions)
+        if n is not None:
             return {"prompt": f"Pick {k} of {' '.join(map(str, ds))} that sum to {n}:", "answer": str(n),
                     "digits": " ".join(map(str, ds)), "terms": str(k), "subsets": "|".join(subsets(ds, k, n))}
     raise ValueError(f"sum_steps: no target with >= {min_solutions} subsets for length={length} terms={terms!r}")
@@ -92,11 +89,10 @@ def parse_steps(text: str) -> Optional[List[tuple]]:
 
 def sum_steps_reward(response_text: str, answer: str, metadata: Optional[dict] = None) -> float:
     """1.0 iff the scratchpad is a correct chain of ``terms`` distinct offered digits ending at ``answer``."""
-    meta = metadata or {}
-    steps = parse_steps(response_text)
-    if steps is None or "digits" not in meta:
+    found = parsed_and_offered(response_text, metadata, parse_steps, "digits")
+    if found is None:
         return 0.0
-    offered = {int(c) for c in str(meta["digits"]).split()}
+    steps, meta, offered = found
     k = int(meta.get("terms", 0))
     if len(steps) != k - 1 or steps[0][0] > 9:
         return 0.0

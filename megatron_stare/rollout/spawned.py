@@ -23,17 +23,20 @@ import atexit
 import logging
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+import shlex
 import urllib.error
 import urllib.request
-from typing import Dict, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Dict, Mapping, Sequence, Tuple
 
 from megatron_stare.rollout.http import EngineFailure
 from megatron_stare.rollout.server_guard import guarded
 
-__all__ = ["SpawnedServer", "TORCHRUN_VARS", "end_group", "server_environ"]
+__all__ = ["ServerCommand", "SpawnedServer", "TORCHRUN_VARS", "end_group", "port_free", "server_environ"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,20 @@ spawned server must not inherit: it logs on its own terms, into its log file."""
 #: must not inherit.
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """A server's command line and the environment it needs on top of the caller's."""
+
+    argv: Tuple[str, ...]
+    env: Dict[str, str]
+
+    def shell(self) -> str:
+        """One line for a launch script: ``VAR=... python -m ...``."""
+
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
+                         *(shlex.quote(a) for a in self.argv)])
 
 
 def server_environ(env: Mapping[str, str] = os.environ) -> Dict[str, str]:
@@ -125,3 +142,14 @@ class SpawnedServer:
         self._log.close()
         if not self.keep_log:
             os.unlink(self._log.name)
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` of ``host`` can be bound now (a restarted server takes its old port back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

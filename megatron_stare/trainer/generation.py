@@ -22,8 +22,10 @@ import torch
 from megatron_stare.algorithms.advantages import compute_advantages
 from megatron_stare.config.load import Config
 from megatron_stare.data import Prompt
+from megatron_stare.envs import make_env
 from megatron_stare.rewards import shape_overlong
 from megatron_stare.rollout.base import GenerationResult, SamplingParams
+from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
 from megatron_stare.rollout.spec import SamplingDefaults
 from megatron_stare.types import Sample
 
@@ -98,6 +100,20 @@ def model_tokens(result: GenerationResult) -> int:
     loss-mask-1 tokens (its observations are the environment's)."""
     mask = getattr(result, "loss_mask", None)
     return len(result.token_ids) if mask is None else int(sum(mask))
+
+
+def generate_episodes(engine, prompts: Sequence[Prompt], indices: Sequence[int], params: SamplingParams, mt,
+                      tokenizer) -> List[GenerationResult]:
+    """Multi-turn rollouts of ``prompts`` (their batch ``indices`` seed them): one environment per
+    trajectory (``mt``: ``rollout.multi_turn``), reset with its prompt's task."""
+
+    def new_env(j: int):  # for the call's prompt j
+        env = make_env(mt.env, tokenizer, mt.env_options)
+        env.reset(prompts[j].token_ids, prompts[j].answer, prompts[j].metadata)
+        return env
+
+    return generate_multiturn(engine, [p.token_ids for p in prompts], params,
+                              MultiTurnLimits(mt.max_turns, mt.max_total_tokens), new_env, prompt_indices=list(indices))
 
 
 def sampling_params(defaults: SamplingDefaults, *, seed: int, stop_ids: Sequence[int] = ()) -> SamplingParams:

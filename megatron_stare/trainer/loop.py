@@ -27,14 +27,13 @@ from megatron_stare.checkpoint.schedule import SaveClock
 from megatron_stare.compat.host_memory import keep_freed_memory
 from megatron_stare.config.load import Config, ConfigError
 from megatron_stare.data import load_run_data
-from megatron_stare.envs import make_env
 from megatron_stare.models.provider import load_hf_config, load_hf_weights, model_shape, spec_from_hf_config
 from megatron_stare.plan.planner import resolve_recompute
 from megatron_stare.rewards import RewardPool, check_reward_config
 from megatron_stare.rewards.sharded import SharedScores, score_once
 from megatron_stare.rollout import EngineWorld, engine_for_rank
 from megatron_stare.rollout.data_parallel import check_prompt_major, gather_results, replica_slice
-from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn, multiturn_metrics
+from megatron_stare.rollout.multiturn import multiturn_metrics
 from megatron_stare.rollout.recovery import EngineRecovery
 from megatron_stare.rollout.spec import DRIVER  # the rank of a driver-placed engine and of the logs
 from megatron_stare.runtime.parallel import ParallelLayout, init_distributed
@@ -43,7 +42,8 @@ from megatron_stare.runtime.preemption import Preemption, note_engine
 from megatron_stare.trainer.async_rollouts import AsyncRollouts
 from megatron_stare.trainer.console import Console, console_of
 from megatron_stare.trainer.console_lines import RunSummary
-from megatron_stare.trainer.generation import GroupSelector, RanDry, ScoredBatch, eval_metrics, sampling_params
+from megatron_stare.trainer.generation import (GroupSelector, RanDry, ScoredBatch, eval_metrics, generate_episodes,
+                                               sampling_params)
 from megatron_stare.trainer.metrics import MetricsLogger, Timer
 from megatron_stare.trainer.offload import Handover, Offloader
 from megatron_stare.trainer.step_interrupt import StepInterrupts
@@ -282,15 +282,7 @@ class Trainer:
             return None
         if not mt.env:
             return self.engine.generate([prompts[i].token_ids for i in part], params, prompt_indices=part)
-
-        def new_env(j: int):  # one environment per trajectory, reset with its task
-            env = make_env(mt.env, self.tokenizer, mt.env_options)
-            p = prompts[part[j]]
-            env.reset(p.token_ids, p.answer, p.metadata)
-            return env
-
-        return generate_multiturn(self.engine, [prompts[i].token_ids for i in part], params,
-                                  MultiTurnLimits(mt.max_turns, mt.max_total_tokens), new_env, prompt_indices=part)
+        return generate_episodes(self.engine, [prompts[i] for i in part], part, params, mt, self.tokenizer)
 
     def gather(self, results, num_prompts: int, n: int):
         """Phase 2: every rank gets every replica's slice, in prompt order (one rank per replica

@@ -80,7 +80,7 @@ def test_server_command_is_vllms_own_cli(setup):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from megatron_stare.rollout.spec import EngineDevices
-    from megatron_stare.rollout.engines.vllm_server.server import server_command
+    from megatron_stare.rollout.engines.vllm_server.command import server_command
 
     *_, spec = setup
     gpu = dataclasses.replace(spec, engine="vllm-server", tp=2, dtype="bfloat16", cuda=True,

@@ -90,7 +90,7 @@ def test_spec_gives_cpu_vllm_engines_an_explicit_kv_cache(monkeypatch):
     assert _spec("vllm", cuda=True, local=2).cpu_kv_cache_bytes == 0  # GPUs: gpu_memory_utilization
     assert _spec("hf", cuda=False, local=2).cpu_kv_cache_bytes == 0
     from megatron_stare.rollout.engines.vllm.engine import llm_kwargs
-    from megatron_stare.rollout.engines.vllm_server.server import server_command
+    from megatron_stare.rollout.engines.vllm_server.command import server_command
 
     assert llm_kwargs(colocated)["kv_cache_memory_bytes"] == colocated.cpu_kv_cache_bytes
     assert "kv_cache_memory_bytes" not in llm_kwargs(dataclasses.replace(colocated, cuda=True))

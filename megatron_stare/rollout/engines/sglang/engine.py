@@ -71,7 +71,7 @@ from megatron_stare.runtime.phases import EngineMemory
 from megatron_stare.rollout.engines.sglang_server.engine import RAW_LOGPROB_ENV, SGLangServerEngine, check_logprob_env, moe_kwargs
 from megatron_stare.rollout.spawned import SpawnedServer
 from megatron_stare.rollout.spec import EngineSpec
-from megatron_stare.rollout.engines.vllm_server.server import ServerCommand
+from megatron_stare.rollout.spawned import ServerCommand
 
 __all__ = ["SGLangEngine", "colocated_command", "engine_kwargs", "serialize_for_ranks"]
 

@@ -51,7 +51,7 @@ from megatron_stare.rollout.http import EngineFailure, request_json
 from megatron_stare.rollout.routed_experts import MoELayout, decode_sglang, moe_layout, to_result_layout
 from megatron_stare.rollout.interruptible import run_requests
 from megatron_stare.rollout.spec import EngineSpec
-from megatron_stare.rollout.engines.vllm_server.server import ServerCommand
+from megatron_stare.rollout.spawned import ServerCommand
 
 __all__ = ["RAW_LOGPROB_ENV", "SEED_NOTICE", "SGLangServerEngine", "check_logprob_env", "moe_kwargs",
            "server_command", "sglang_rows", "to_result"]

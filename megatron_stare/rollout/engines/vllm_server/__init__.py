@@ -15,4 +15,4 @@ ENGINE = EngineDescriptor(
     memory=EngineMemoryModel("budgeted"),
     implementation="megatron_stare.rollout.engines.vllm_server.fleet:VLLMServerFleet",
     checks=(vllm_cpu.check_head_size, vllm_cpu.check_routed_experts),
-    server_command="megatron_stare.rollout.engines.vllm_server.server:server_command", default_port=8000)
+    server_command="megatron_stare.rollout.engines.vllm_server.command:server_command", default_port=8000)

@@ -9,7 +9,7 @@ each URL (each checked against the spec), and the fleet is one engine to the tra
   server) frees up, seeded by its batch index (so the answer does not depend on the server);
   results come back in prompt order;
 - weights: ONE process group holds the trainer (rank 0) and every worker of every server
-  (``VLLMServerEngine.open_weight_group``, on ``weight_sync.form_group``), so each bucket is
+  (``weights.open_weight_group``, on ``weight_sync.form_group``), so each bucket is
   broadcast once and reaches all servers; every server then resets its prefix cache;
 - checksums: a tensor's checksum is reported only where every server holds the same bytes
   (otherwise None, which the trainer's verification reports as a mismatch);
@@ -60,6 +60,7 @@ from megatron_stare.rollout.dispatch import UNFINISHED, BackendLost, Dispatcher,
 from megatron_stare.rollout.http import EngineFailure
 from megatron_stare.rollout.spec import EngineSpec, RecoveryLimits
 from megatron_stare.rollout.engines.vllm_server.server import VLLMServerEngine
+from megatron_stare.rollout.engines.vllm_server.weights import open_weight_group, push_weights
 
 __all__ = ["EngineLost", "PartialGeneration", "VLLMServerFleet"]
 
@@ -317,9 +318,9 @@ class VLLMServerFleet(RolloutEngine):
             self._destroy_group()
         try:
             if self._group is None:
-                self._group = VLLMServerEngine.open_weight_group(self.servers, self.host, self.weight_backend,
+                self._group = open_weight_group(self.servers, self.host, self.weight_backend,
                                                                  self.sync_timeout_s)
-            self.last_sync = VLLMServerEngine.push_weights(self.servers, self._group, self.weight_backend, send)
+            self.last_sync = push_weights(self.servers, self._group, self.weight_backend, send)
         except (EngineFailure, RuntimeError) as e:
             if not self.recovers:
                 raise

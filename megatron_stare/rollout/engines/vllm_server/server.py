@@ -2,13 +2,10 @@
 
 Two ways to get a server, both from the spec (``rollout/spec.py``):
 
-- spawned (``rollout.server_urls`` empty): the driver starts ``server_command(spec)`` -
-  ``python -m vllm.entrypoints.openai.api_server`` with the spec's ``--tensor-parallel-size``,
-  ``--dtype`` (the policy's), ``--gpu-memory-utilization``, ``--max-model-len``, ``--seed``,
-  ``--logprobs-mode processed_logprobs`` (the log-prob convention), ``--generation-config
-  vllm``, and on a GPU ``--enable-sleep-mode`` with ``CUDA_VISIBLE_DEVICES`` = the driver
-  node's first ``tp`` GPUs, which it shares with the trainer (so it sleeps while the trainer
-  trains, and its weights come over gloo: NCCL refuses two ranks on one GPU);
+- spawned (``rollout.server_urls`` empty): the driver starts ``server_command(spec)``
+  (``command.py``: the flags) on its node's first ``tp`` GPUs, which it shares with the trainer
+  (so it sleeps while the trainer trains, and its weights come over gloo: NCCL refuses two ranks
+  on one GPU);
 - attached (``rollout.server_urls=[http://host:port]``): a server started elsewhere with the
   same command (``python -m megatron_stare.rollout.server_cmd`` prints it), on GPUs of its
   own: nothing to release, weights over NCCL on GPUs. Attaching checks that the server honours
@@ -25,7 +22,8 @@ set up from the worker extension through ``/collective_rpc``. Each update then r
 ``stare_receive_weights`` on the workers (an HTTP call that returns when the reload is done,
 issued from a helper thread) while this process broadcasts the HF stream in flat buckets of
 ``bucket_bytes``; then the prefix cache is reset. Format, wire protocol, group forming and the
-push all come from ``weight_sync`` (``form_group``, ``push_to_group``), shared with the fleet.
+push all come from ``weight_sync`` (``form_group``, ``push_to_group``), through ``weights.py``,
+shared with the fleet.
 
 A spawned server process (and the engine-core process it spawns) runs in its own session, so
 ``shutdown()`` ends exactly that process group; an ``atexit`` hook makes sure it does, and a guard
@@ -59,78 +57,32 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from datetime import timedelta
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
-import shlex
 
 import torch
 from torch import Tensor
 
 from megatron_stare.errors import UserError
-from megatron_stare.weight_sync import SyncStats, TensorChecksum, form_group, free_port, push_to_group, route_address
+from megatron_stare.weight_sync import SyncStats, TensorChecksum, free_port, route_address
 from megatron_stare.rollout.base import GenerationResult, MemoryRelease, RolloutEngine, SamplingParams, batch_indices, sample_seed
 from megatron_stare.rollout.http import EngineFailure, ErrorReply, InFlight, request_json
 from megatron_stare.rollout.interruptible import run_requests
 from megatron_stare.rollout.routed_experts import capture_unavailable, decode_npy_b64, moe_layers, to_result_layout
 from megatron_stare.rollout.server_guard import guarded
-from megatron_stare.rollout.spawned import end_group, server_environ  # torchrun's variables dropped: spawned.py says why
+from megatron_stare.rollout.spawned import ServerCommand, end_group, port_free, server_environ  # server_environ drops torchrun's variables
 from megatron_stare.rollout.spec import EngineSpec
-from megatron_stare.rollout import vllm_cpu
-from megatron_stare.rollout.engines.vllm.engine import LOGPROBS_MODE, SLEEP_LEVEL, WORKER_EXTENSION
+from megatron_stare.rollout.engines.vllm.engine import LOGPROBS_MODE, SLEEP_LEVEL
+from megatron_stare.rollout.engines.vllm_server.command import SERVED_NAME, server_command
+from megatron_stare.rollout.engines.vllm_server.weights import open_weight_group, push_weights
 
 __all__ = ["EngineFailure", "ServerCommand", "VLLMServerEngine", "server_command"]
 
 log = logging.getLogger(__name__)
-
-SERVED_NAME = "stare-policy"
-
-
-@dataclass(frozen=True)
-class ServerCommand:
-    """A server's command line and the environment it needs on top of the caller's."""
-
-    argv: Tuple[str, ...]
-    env: Dict[str, str]
-
-    def shell(self) -> str:
-        """One line for a launch script: ``VAR=... python -m ...``."""
-
-        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()),
-                         *(shlex.quote(a) for a in self.argv)])
-
-
-def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> ServerCommand:
-    """The spec as vLLM server flags: the command a spawned server runs, and the one a launch
-    script starts an attached server with."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
-            "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--seed", str(spec.seed),
-            "--max-model-len", str(spec.context_length),
-            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
-            "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
-            "--worker-extension-cls", WORKER_EXTENSION]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if spec.return_routed_experts:  # each completion then carries its routing (base64 .npy)
-        argv.append("--enable-return-routed-experts")
-    if not spec.cuda:
-        argv.append("--enforce-eager")
-        sched = vllm_cpu.scheduler_kwargs(spec.context_length)  # seeded sampling survives big batches
-        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(sched["max_num_batched_tokens"])]
-        if spec.cpu_kv_cache_bytes:  # on CPU the fraction above would be of host RAM
-            argv += ["--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
-    elif spec.devices.shares_trainer_gpus:  # spawned on the driver node's GPUs: it must sleep
-        argv.append("--enable-sleep-mode")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices.gpu_ids))
-    return ServerCommand(tuple(argv), env)
-
 
 class VLLMServerEngine(RolloutEngine):
     """A vLLM server process driven over HTTP, weights over a gloo/NCCL group. (The registered
@@ -403,9 +355,9 @@ class VLLMServerEngine(RolloutEngine):
             self._log.close()  # kept: the console line that reports the restart names it
         self._proc, self.hung = None, None
         deadline = time.monotonic() + 10
-        while not _port_free(self.host, self.port) and time.monotonic() < deadline:
+        while not port_free(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not _port_free(self.host, self.port):  # someone took it meanwhile: the policy's fallback
+        if not port_free(self.host, self.port):  # someone took it meanwhile: the policy's fallback
             argv = list(self._command.argv)
             argv[argv.index("--port") + 1] = str(free_port(self.host))
             self._command = ServerCommand(tuple(argv), self._command.env)
@@ -468,43 +420,12 @@ class VLLMServerEngine(RolloutEngine):
         self._rpc("stare_receive_weights", json.dumps({"record_checksums": self.record_checksums}),
                   timeout=self.sync_timeout_s)
 
-    @staticmethod
-    def open_weight_group(servers: Sequence["VLLMServerEngine"], host: str, backend: str, timeout_s: float):
-        """One weight-broadcast group: this process (rank 0) and every worker of every server in
-        ``servers`` (server ``k``'s workers are ranks ``1 + sum of the earlier servers' sizes`` on),
-        so ONE broadcast of each bucket reaches all of them. Set up over ``/collective_rpc``."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        world = 1 + sum(s.world for s in servers)
-        offsets = [1 + sum(s.world for s in servers[:k]) for k in range(len(servers))]
-        joins = [lambda port, s=s, o=o: s.join_weight_group(host, port, world, o) for s, o in zip(servers, offsets)]
-        return form_group(joins, lambda port, sock: stateless_init_torch_distributed_process_group(
-            host, port, 0, world, backend, listen_socket=sock, timeout=timedelta(seconds=timeout_s)), host)
-
-    @staticmethod
-    def push_weights(servers: Sequence["VLLMServerEngine"], group, backend: str, send) -> SyncStats:
-        """Every server reloads from the stream ``send(sender)`` broadcasts over ``group`` (made by
-        ``open_weight_group`` for the same ``servers``), then resets its prefix cache."""
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-        def broken(e: RuntimeError, errors) -> BaseException:  # most likely a server is gone
-            failed = next((x for x in errors if isinstance(x, EngineFailure)), None)
-            return failed or servers[0].failure("the weight push", e)
-
-        stats = push_to_group(group, device, [s.receive_weights for s in servers], send, broken)
-        for s in servers:
-            s.reset_prefix_cache()
-        log.info("vllm server%s: pushed %d tensors (%.1f MB) in %d buckets, %.2fs",
-                 "s" if len(servers) > 1 else "", stats.num_tensors, stats.bytes / 2 ** 20, stats.num_buckets,
-                 stats.seconds)
-        return stats
-
     def reset_prefix_cache(self) -> None:
         self._request("/reset_prefix_cache")
 
     def _ensure_weight_group(self) -> None:
         if self._group is None:
-            self._group = self.open_weight_group([self], self.host, self.weight_backend, self.sync_timeout_s)
+            self._group = open_weight_group([self], self.host, self.weight_backend, self.sync_timeout_s)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, Tensor]]) -> None:
         self._push(lambda sender: sender.send(named_tensors, self.bucket_bytes))
@@ -516,7 +437,7 @@ class VLLMServerEngine(RolloutEngine):
     def _push(self, send) -> None:
         self.check_can_load_weights()
         self._ensure_weight_group()
-        self.last_sync = self.push_weights([self], self._group, self.weight_backend, send)
+        self.last_sync = push_weights([self], self._group, self.weight_backend, send)
 
     def checksum(self, names: Sequence[str]) -> Dict[str, Optional[TensorChecksum]]:
         res = self._rpc("stare_checksum", json.dumps(list(names)))[0]
@@ -572,16 +493,3 @@ class VLLMServerEngine(RolloutEngine):
             except Exception as e:  # noqa: BLE001 - the server is going away regardless
                 log.debug("weight group teardown: %s", e)
             self._group = None
-
-
-
-def _port_free(host: str, port: int) -> bool:
-    """Whether ``port`` of ``host`` can be bound now (a restarted server takes its old port back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-

@@ -119,24 +119,25 @@ def _check_engine(cfg: Config, cuda: bool, world_size: Optional[int], spec) -> N
     """Rollout settings the chosen engine cannot honour, one line each: by its traits here, then
     its descriptor's own checks (``rollout/engines/<name>/__init__.py``)."""
     r = cfg.rollout
-    engine = descriptor(r.engine)
+    engine, found = descriptor(r.engine), descriptors()
     t = engine.traits
     if t.cuda_only:
-        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine=hf or vllm on CPU")
+        # The engines of the same kind (in the trainer's processes, or a server) that run on CPU.
+        on_cpu = " or ".join(n for n, d in found.items() if not d.traits.cuda_only and d.traits.server == t.server)
+        _require(cuda, f"rollout.engine={r.engine} needs CUDA; use rollout.engine={on_cpu} on CPU")
     if not t.server:
+        servers = " or ".join(n for n, d in found.items() if d.traits.server)
         _require(not r.server_urls, f"rollout.server_urls is set, but rollout.engine={r.engine} "
                                     f"{'runs inside the trainer ranks' if t.colocated else 'runs in the driver'}"
-                                    f" and attaches to no server; use vllm-server or sglang-server, "
-                                    f"or clear rollout.server_urls")
+                                    f" and attaches to no server; use {servers}, or clear rollout.server_urls")
     elif not t.can_spawn:
         _require(bool(r.server_urls), f"rollout.engine={r.engine} attaches to a running server: set "
                                       f"rollout.server_urls=[http://host:port] (start the server with "
                                       f"the command python -m megatron_stare.rollout.server_cmd prints)")
-    several = [n for n, d in descriptors().items() if d.traits.several_servers]
+    several = " or ".join(n for n, d in found.items() if d.traits.several_servers)
     _require(len(r.server_urls) <= 1 or t.several_servers,
              f"rollout.server_urls has {len(r.server_urls)} servers; rollout.engine={r.engine} drives one "
-             f"(its weight push goes to one server); keep one, or use {' or '.join(several)}, whose dispatcher "
-             f"takes several"),
+             f"(its weight push goes to one server); keep one, or use {several}, whose dispatcher takes several")
     _require(len(set(r.server_urls)) == len(r.server_urls),
              f"rollout.server_urls lists a server twice ({r.server_urls}); list each once")
     for url in r.server_urls:
@@ -213,10 +214,10 @@ def _check_staleness(cfg: Config) -> None:
              f"trainer.partial_rollout_tokens=0")
     if t.staleness == 0:
         return
+    servers = " or ".join(n for n, d in descriptors().items() if d.traits.server)
     _require(descriptor(r.engine).traits.server,
              f"trainer.staleness={t.staleness} needs a server engine that generates while the trainer "
-             f"trains, but rollout.engine={r.engine}; use rollout.engine=vllm-server (or sglang-server on GPUs) "
-             f"or trainer.staleness=0")
+             f"trains, but rollout.engine={r.engine}; use rollout.engine={servers} or trainer.staleness=0")
     _require(not t.dynamic_sampling, f"trainer.staleness={t.staleness} with trainer.dynamic_sampling=true: "
                                      f"a step's extra generation batches cannot be drawn ahead; set one of "
                                      f"trainer.dynamic_sampling=false or trainer.staleness=0")

@@ -14,6 +14,20 @@ from megatron_stare.study.tasks.pick_sum import parse_response, pick_sum_reward
 
 
 # ------------------------------------------------------------------------------------------------ task
+def test_every_study_task_names_a_config_that_exists_and_its_reward_and_rows_by_name():
+    """The tasks live in ``study/tasks/``: their configs are found from there, and their rewards and
+    row generators are registered by name (setup.py entry points), not from ``rewards/``."""
+    from megatron_stare.rewards.registry import REWARDS
+    from megatron_stare.rewards.synthetic import TASKS
+    from megatron_stare.study.tasks import TASKS as STUDY_TASKS
+
+    for name, task in STUDY_TASKS.items():
+        assert task.config.is_file(), task.config
+        assert name not in REWARDS and name not in TASKS  # not built into rewards/
+        assert get_reward_fn(name).__module__ == f"megatron_stare.study.tasks.{name}"
+        assert make_task(name, 2, seed=0, **task.kwargs) == make_task(name, 2, seed=0, **task.kwargs)
+
+
 def test_pick_sum_rows_are_deterministic_and_solutions_are_exactly_the_correct_responses():
     rows = make_task("pick_sum", 50, seed=7)
     assert rows == make_task("pick_sum", 50, seed=7) and rows != make_task("pick_sum", 50, seed=8)

@@ -20,7 +20,7 @@ from megatron_stare.study.methods import GRIDS, SHARED, method_overrides
 from megatron_stare.study.tasks.hop_path import random_path
 from megatron_stare.study.tasks.sum_steps import random_solution
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ the engine factory then find them by name, with no other file touched.
 """
 import dataclasses
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -165,3 +166,13 @@ def test_an_unknown_engine_names_the_folders():
     with pytest.raises(ConfigError, match=r"rollout.engine must be one of 'hf', 'vllm', 'vllm-server', "
                                           r"'sglang', 'sglang-server', got 'tgi' \(an engine is a folder"):
         check_for_gpus(cfg, json.loads(QWEN7.read_text()), 8)
+
+
+def test_descriptors_are_light():
+    """Finding every engine folder (and checking a config against them) imports no torch and no
+    engine library: the descriptors are read by the config CLI and every node's preflight."""
+    code = ("import sys; from megatron_stare.rollout.engines import descriptors; d = descriptors(); "
+            "heavy = [m for m in ('torch', 'vllm', 'sglang', 'transformers') if m in sys.modules]; "
+            "print(sorted(d), heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "['hf', 'sglang', 'sglang-server', 'vllm', 'vllm-server'] []", out.stdout

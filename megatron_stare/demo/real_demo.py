@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
 from megatron_stare.study.word_problems import write_split
+from megatron_stare import REPO_ROOT
 import importlib.util
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 CONFIG = ROOT / "examples" / "demo_real_cpu.yaml"
 MODEL = "smollm2-135m-instruct"
 

@@ -32,8 +32,9 @@ from megatron_stare.rewards.synthetic import make_task, write_jsonl
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.engines.hf.engine import HFEngine
 from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
+from megatron_stare import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 CONFIG = ROOT / "examples" / "tool_use_cpu.yaml"
 OPERANDS = re.compile(r"What is (\d+) \* (\d+)\?")
 MAX_NEW_TOKENS, MAX_TURNS, MAX_TOTAL_TOKENS = 24, 2, 64

@@ -48,8 +48,9 @@ from megatron_stare.study.figures import plot_study
 from megatron_stare.study.report import load_runs, write_report
 from megatron_stare.study.warm_start import prepare_warm_start, write_task_data
 from megatron_stare.trainer.metrics import read_metrics
+from megatron_stare import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 CONFIG = TASKS["pick_sum"].config
 
 

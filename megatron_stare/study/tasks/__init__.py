@@ -19,8 +19,9 @@ from megatron_stare.study.methods import GRIDS, SHARED, method_overrides
 
 from megatron_stare.study.tasks.hop_path import random_path
 from megatron_stare.study.tasks.sum_steps import random_solution
+from megatron_stare import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT
 
 
 @dataclass(frozen=True)

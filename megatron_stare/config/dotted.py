@@ -14,6 +14,7 @@ config field, e.g. ``reward.fn: cannot import 'foo.bar:baz' (No module named 'fo
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import pkgutil
@@ -39,27 +40,36 @@ def registrar(table: Dict[str, Any], kind: str) -> Callable[[str], Callable[[T],
     return register
 
 
-class with_plugins(Mapping):
-    """``registry`` (name -> object) and the entry points of ``group``, one mapping: a registered
-    name wins; a plugin's object is imported on first lookup (``pkg.module:attr``)."""
+@functools.lru_cache(maxsize=None)
+def _entry_points(group: str) -> Dict[str, importlib.metadata.EntryPoint]:
+    """The entry points of ``group`` by name: read once per process (the read scans the metadata
+    of every installed distribution)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
 
+
+class _WithPlugins(Mapping):
     def __init__(self, registry: Mapping[str, Any], group: str):
-        self.registry = registry
-        self.plugins = {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
+        self.registry, self.group = registry, group
 
     def __getitem__(self, name: str) -> Any:
-        if name in self.registry:
+        if name in self.registry:  # a registered name wins, and reads no metadata
             return self.registry[name]
-        return self.plugins[name].load()
+        return _entry_points(self.group)[name].load()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted({*self.registry, *self.plugins}))
+        return iter(sorted({*self.registry, *_entry_points(self.group)}))
 
     def __len__(self) -> int:
-        return len({*self.registry, *self.plugins})
+        return len({*self.registry, *_entry_points(self.group)})
 
     def __contains__(self, name: object) -> bool:
-        return name in self.registry or name in self.plugins
+        return name in self.registry or name in _entry_points(self.group)
+
+
+def with_plugins(registry: Mapping[str, Any], group: str) -> Mapping[str, Any]:
+    """``registry`` (name -> object) and the entry points of ``group``, one read-only mapping: a
+    registered name wins; a plugin's object is imported on its first lookup (``pkg.module:attr``)."""
+    return _WithPlugins(registry, group)
 
 
 def import_subpackages(package: str) -> List[ModuleType]:

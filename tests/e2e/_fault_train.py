@@ -12,8 +12,9 @@ rank it strikes (default: every rank). Kinds:
 - ``kill-in-save``: the rank dies inside the step's checkpoint save, at its first file move
   into the ``.partial`` directory (the save was under way and is not finished);
 - ``kill-engine-core``: the driver rank's server engine (``vllm-server``) loses its engine-core
-  process (SIGKILL) mid-generation, once its requests are in flight (the step's first
-  generation only); the server answers, or dies, for itself;
+  process mid-generation (the step's first generation only): the process is stopped (SIGSTOP)
+  before the requests go out and SIGKILLed once they are in flight, so none can finish first;
+  the server answers, or dies, for itself;
 - ``slow-write``: the step's checkpoint save (``checkpoint.async_save``: in the background) is
   slow: each of megatron-core's writer workers, once it has opened its file, writes an empty file
   ``slow_writer.r<rank>.<pid>`` into ``logging.dir`` and sleeps ``SLOW_WRITE_S`` before writing
@@ -101,8 +102,8 @@ def _die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_engine_cores() -> None:
-    """SIGKILL every descendant of this process that vLLM titled ``VLLM::EngineCore...``."""
+def _engine_cores() -> list:
+    """The pids of this process's descendants that vLLM titled ``VLLM::EngineCore...``."""
     parents = {}
     for p in Path("/proc").iterdir():
         try:
@@ -114,18 +115,24 @@ def _kill_engine_cores() -> None:
     while frontier:
         frontier = {c for c, par in parents.items() if par in frontier} - mine
         mine |= frontier
-    killed = []
+    found = []
     for pid in mine:
         try:
             if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                found.append(pid)
         except OSError:
             pass
-    print(f"[fault] killed engine core(s) {killed}", file=sys.stderr, flush=True)
-    if not killed:
+    if not found:
         raise SystemExit("--fault kill-engine-core: no engine-core process found (rollout.engine=vllm-server?)")
-    time.sleep(1.0)  # the server notices its engine is gone
+    return found
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
 
 
 def parse_fault(spec: str) -> Tuple[str, int, Optional[int]]:
@@ -171,15 +178,21 @@ class FaultyTrainer(train.Trainer):
                 name = "generate_partial" if hasattr(self.engine, "generate_partial") else "generate"
                 generate, fired = getattr(self.engine, name), []
 
-                def kill_when_busy():  # mid-generation: once the server has requests in flight
+                def kill_when_busy(cores):  # once the server has requests in flight
                     deadline = time.monotonic() + 30
                     while not len(self.engine.servers[0].in_flight) and time.monotonic() < deadline:
                         time.sleep(0.01)
-                    _kill_engine_cores()
+                    time.sleep(0.5)  # the requests reach the (stopped) engine core's queue
+                    _signal_all(cores, signal.SIGKILL)
+                    print(f"[fault] killed engine core(s) {cores}", file=sys.stderr, flush=True)
 
                 def generate_without_core(*args, **kwargs):
                     if not fired:  # the step's first generation only (not its regeneration)
-                        fired.append(threading.Thread(target=kill_when_busy, daemon=True))
+                        # Stopped before the requests go out, the engine core cannot finish them
+                        # before the kill lands (a short generation on a fast machine would).
+                        cores = _engine_cores()
+                        _signal_all(cores, signal.SIGSTOP)
+                        fired.append(threading.Thread(target=kill_when_busy, args=(cores,), daemon=True))
                         fired[0].start()
                     return generate(*args, **kwargs)
 

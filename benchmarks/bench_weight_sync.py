@@ -115,7 +115,7 @@ def _trainer_setup(rank, world, kind, tp, pp, hf_dir, bucket_bytes):
     st = ExportStats()
     for b in export(st):
         del b
-    stage_bytes = torch.tensor([st.total_bytes if groups.tp_rank == 0 else 0], dtype=torch.int64)
+    stage_bytes = torch.tensor([st.bytes if groups.tp_rank == 0 else 0], dtype=torch.int64)
     all_stage = [torch.zeros_like(stage_bytes) for _ in range(world)]
     dist.all_gather(all_stage, stage_bytes)
     total = int(sum(int(t) for t in all_stage))

@@ -41,7 +41,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optiona
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "StagingBuffer", "TensorMeta", "decode_header",
+__all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "StagingBuffer", "StreamCounts", "TensorMeta",
+           "decode_header",
            "dtype_from_name", "dtype_name", "encode_header", "iter_buckets", "iter_flat_buckets",
            "assemble", "pack_stream"]
 
@@ -82,6 +83,28 @@ def aligned(n: int) -> int:
 
 def nbytes_of(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass
+class StreamCounts:
+    """What passed one point of a weight stream: buckets, tensors (or pieces) and their payload
+    bytes (alignment padding not counted). The exporter, the sender and the receivers count
+    with the same two calls, so their figures compare."""
+
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bytes: int = 0
+
+    def count_bucket(self, metas: Sequence["TensorMeta"]) -> None:
+        """One bucket of ``metas`` went by."""
+        self.num_buckets += 1
+        self.num_tensors += len(metas)
+        self.bytes += sum(m.nbytes for m in metas)
+
+    def count_tensor(self, t: Tensor) -> None:
+        """One whole tensor went by (a receiver's view, an in-process hand-off)."""
+        self.num_tensors += 1
+        self.bytes += nbytes_of(t)
 
 
 class TensorMeta(NamedTuple):

@@ -60,19 +60,16 @@ from megatron_stare.models.provider import mapping_for
 from megatron_stare.models.sharding import (ExpertGroups, full_shape, gather_canonical, is_expert_param, local_params,
                                             num_local_experts)
 from megatron_stare.runtime.parallel import ParallelGroups, group_ranks
-from megatron_stare.weight_sync import (ALIGN_BYTES, FlatBucket, StagingBuffer, group_link, isend_link, pack_stream,
-                                        recv_bucket, recv_link, send_bucket, send_bucket_async, send_end,
-                                        send_link)
+from megatron_stare.weight_sync import (FlatBucket, StagingBuffer, group_link, isend_link, pack_stream, recv_bucket,
+                                        recv_link, send_bucket, send_bucket_async, send_end, send_link)
+from megatron_stare.weight_sync.bucket import StreamCounts, aligned, nbytes_of
 
 
 @dataclass
-class ExportStats:
-    """What this rank packed (its own stage's buckets) and the most memory the exporter held
-    at once on this rank while packing (bytes)."""
+class ExportStats(StreamCounts):
+    """What this rank packed (its own stage's buckets: ``StreamCounts``) and the most memory the
+    exporter held at once on this rank while packing (bytes)."""
 
-    num_buckets: int = 0
-    num_tensors: int = 0
-    total_bytes: int = 0
     max_bucket_bytes: int = 0
     max_tensor_bytes: int = 0
     peak_live_bytes: int = 0
@@ -90,18 +87,8 @@ class ExportStats:
         self.live(buffer_bytes + self.in_flight)
 
     def packed(self, bucket: FlatBucket) -> None:
-        self.num_buckets += 1
-        self.num_tensors += len(bucket)
-        self.total_bytes += sum(m.nbytes for m in bucket.metas)
+        self.count_bucket(bucket.metas)
         self.max_bucket_bytes = max(self.max_bucket_bytes, bucket.nbytes)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def _stage_tensors(model, groups: ParallelGroups, spec: GPTSpec, dtype: Optional[torch.dtype],
@@ -132,7 +119,7 @@ def expert_groups(model, groups: ParallelGroups, spec: GPTSpec) -> Optional[Expe
 
 
 def _accounted(pieces, full, stats):
-    stats.in_flight = _nbytes(full) + sum(_nbytes(t) for _, t in pieces)
+    stats.in_flight = nbytes_of(full) + sum(nbytes_of(t) for _, t in pieces)
     for item in pieces:
         yield item
     stats.in_flight = 0
@@ -144,7 +131,7 @@ def _stage_buckets(model, groups, spec, bucket_bytes, dtype, stats) -> Iterator[
     esize = torch.tensor([], dtype=dtype).element_size() if dtype is not None else None
     lay = groups.layout
     bound = sum(
-        _aligned(torch.Size(full_shape(p, lay.tp, lay.etp)).numel() * (esize or p.element_size()))
+        aligned(torch.Size(full_shape(p, lay.tp, lay.etp)).numel() * (esize or p.element_size()))
         * (3 if "linear_qkv" in local else 2 if "linear_fc1" in local else 1) * (lay.ep if is_expert_param(p) else 1)
         for local, _, p in local_params(model))
     stats.in_flight = 0

@@ -38,17 +38,15 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_stare.weight_sync import wire
-from megatron_stare.weight_sync.bucket import Assembler, FlatBucket, StagingBuffer, TensorMeta, dtype_name, iter_buckets
+from megatron_stare.weight_sync.bucket import (Assembler, FlatBucket, StagingBuffer, StreamCounts, TensorMeta, dtype_name,
+                                               iter_buckets)
 
 __all__ = ["InProcessTransport", "PeakMemory", "ProcessGroupReceiver", "ProcessGroupSender", "SyncStats"]
 
 @dataclass
-class SyncStats:
-    """What one sync moved: tensors, buckets, payload bytes, wall seconds."""
+class SyncStats(StreamCounts):
+    """What one sync moved (``StreamCounts``: buckets, tensors, payload bytes) and its wall seconds."""
 
-    num_tensors: int = 0
-    num_buckets: int = 0
-    bytes: int = 0
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Part of ``seconds`` spent copying tensors into flat buffers (sender only)."""
@@ -111,9 +109,7 @@ class ProcessGroupSender:
                     in_flight.wait()  # bucket k's buffer is free for bucket k+2
                 in_flight = wire.send_bucket_async(link, data_link, FlatBucket(metas, buffer), self.device)
                 stats.send_seconds += time.perf_counter() - ts
-                stats.num_buckets += 1
-                stats.num_tensors += len(metas)
-                stats.bytes += sum(m.nbytes for m in metas)
+                stats.count_bucket(metas)
                 del bucket, buffer, materialize
             ts = time.perf_counter()
             if in_flight is not None:
@@ -173,8 +169,7 @@ class ProcessGroupReceiver:
         while (bucket := wire.recv_bucket(link, self.device, self.staging)) is not None:
             self.stats.num_buckets += 1
             for name, view in asm.feed(bucket):
-                self.stats.num_tensors += 1
-                self.stats.bytes += view.numel() * view.element_size()
+                self.stats.count_tensor(view)
                 yield name, view
                 del view
             del bucket
@@ -194,8 +189,7 @@ class InProcessTransport:
 
         def counted():
             for name, t in named_tensors:
-                stats.num_tensors += 1
-                stats.bytes += t.numel() * t.element_size()
+                stats.count_tensor(t)
                 yield name, t
 
         t0 = time.perf_counter()

@@ -65,6 +65,16 @@ class _WithPlugins(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self.registry or name in _entry_points(self.group)
 
+    def missing_hint(self) -> str:
+        """Why a plugin name may be missing: this project's own (the study's tasks) register only
+        once it is installed; a bare source tree on ``PYTHONPATH`` has no entry points."""
+        try:
+            importlib.metadata.distribution("megatron-stare")
+            return ""
+        except importlib.metadata.PackageNotFoundError:
+            return (" (megatron-stare is not installed, so the names its setup.py registers, the study's tasks "
+                    "among them, are missing: pip install -e .)")
+
 
 def with_plugins(registry: Mapping[str, Any], group: str) -> Mapping[str, Any]:
     """``registry`` (name -> object) and the entry points of ``group``, one read-only mapping: a
@@ -92,8 +102,9 @@ def resolve(spec: str, registry: Mapping[str, Any], *, field: str, noun: str, ki
     elif "." in spec:
         module_name, _, attr = spec.rpartition(".")
     else:
+        hint = registry.missing_hint() if isinstance(registry, _WithPlugins) else ""
         raise error(f"{field}: unknown {noun} {spec!r}; registered: {', '.join(sorted(registry))}; "
-                    f"or give a {kind} as 'pkg.module:{kind}'")
+                    f"or give a {kind} as 'pkg.module:{kind}'{hint}")
     if not module_name or not attr:
         raise error(f"{field}: {spec!r} is not of the form 'pkg.module:{kind}'")
     try:

@@ -67,7 +67,7 @@ def make_task(name: str, n: int, seed: int, **kwargs) -> List[Row]:
     study's tasks: ``setup.py``)."""
     tasks = with_plugins(TASKS, TASK_PLUGINS)
     if name not in tasks:
-        raise ValueError(f"synthetic task must be one of {list(tasks)}, got {name!r}")
+        raise ValueError(f"synthetic task must be one of {list(tasks)}, got {name!r}{tasks.missing_hint()}")
     if n < 0:
         raise ValueError(f"synthetic task size n must be >= 0, got {n}")
     # Seed mixes in the name so 'add' and 'sort' at the same seed are unrelated streams.

@@ -51,6 +51,31 @@ def test_registry_errors_are_one_line(spec, msg):
     assert str(e.value).startswith(msg) and "\n" not in str(e.value)
 
 
+def test_a_bare_source_tree_names_the_missing_install(monkeypatch):
+    """The study's tasks register through setup.py's entry points: without the package installed
+    (a source tree on PYTHONPATH) they are unknown, and the error says why and what to run."""
+    import importlib.metadata
+
+    from megatron_stare.config import dotted
+
+    with pytest.raises(RewardError) as installed:
+        get_reward_fn("mathh")
+    assert "pip install" not in str(installed.value)  # installed here: no hint
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(dotted, "_entry_points", lambda group: {})
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(RewardError) as e:
+        get_reward_fn("pick_sum")
+    assert str(e.value) == ("reward.fn: unknown reward 'pick_sum'; registered: exact_match, math; or give a function as "
+                            "'pkg.module:function' (megatron-stare is not installed, so the names its setup.py "
+                            "registers, the study's tasks among them, are missing: pip install -e .)")
+    with pytest.raises(ValueError, match=r"got 'pick_sum' \(megatron-stare is not installed.*pip install -e \.\)"):
+        make_task("pick_sum", 1, seed=0)
+
+
 def test_register_twice_rejected():
     with pytest.raises(ValueError, match="registered twice"):
         register_reward("math")(lambda r, a, m: 0.0)

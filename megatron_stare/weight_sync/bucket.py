@@ -42,8 +42,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["ALIGN_BYTES", "HEADER_VERSION", "Assembler", "FlatBucket", "StagingBuffer", "StreamCounts", "TensorMeta",
-           "decode_header",
-           "dtype_from_name", "dtype_name", "encode_header", "iter_buckets", "iter_flat_buckets",
+           "decode_header", "dtype_from_name", "dtype_name", "encode_header", "iter_buckets", "iter_flat_buckets",
            "assemble", "pack_stream"]
 
 #: Every tensor starts at a multiple of this many bytes inside a flat buffer, so a typed view

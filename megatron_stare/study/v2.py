@@ -42,15 +42,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 import shutil
 
+from megatron_stare import REPO_ROOT as ROOT
 from megatron_stare.study import methods as sm, report as study_report, results as sr
 from megatron_stare.study.tasks import TASKS, StudyTask
 from megatron_stare.study.figures import plot_study
 from megatron_stare.study.report import load_runs, write_report
 from megatron_stare.study.warm_start import prepare_warm_start, write_task_data
 from megatron_stare.trainer.metrics import read_metrics
-from megatron_stare import REPO_ROOT
 
-ROOT = REPO_ROOT
 CONFIG = TASKS["pick_sum"].config
 
 

@@ -45,13 +45,12 @@ from typing import Dict, List, Optional, Sequence
 
 import pyarrow.parquet as pq
 
+from megatron_stare import REPO_ROOT as ROOT
 from megatron_stare.study import methods as sm, report as rep, results as sr
 from megatron_stare.study.figures import plot_study
 from megatron_stare.study.word_problems import STUDY_TIERS, write_split
 from megatron_stare.trainer.metrics import read_metrics
-from megatron_stare import REPO_ROOT
 
-ROOT = REPO_ROOT
 CONFIG = ROOT / "examples" / "study_real_cpu.yaml"
 RESULTS = ROOT / "docs" / "study_v3" / "results"
 RESULTS_GPU = ROOT / "docs" / "study_v3" / "results_gpu"

@@ -15,13 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from megatron_stare import REPO_ROOT as ROOT
 from megatron_stare.study.methods import GRIDS, SHARED, method_overrides
-
 from megatron_stare.study.tasks.hop_path import random_path
 from megatron_stare.study.tasks.sum_steps import random_solution
-from megatron_stare import REPO_ROOT
-
-ROOT = REPO_ROOT
 
 
 @dataclass(frozen=True)

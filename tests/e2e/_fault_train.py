@@ -57,7 +57,7 @@ import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 from unittest import mock
 
 from megatron_stare import train
@@ -102,7 +102,7 @@ def _die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _engine_cores() -> list:
+def _engine_cores() -> List[int]:
     """The pids of this process's descendants that vLLM titled ``VLLM::EngineCore...``."""
     parents = {}
     for p in Path("/proc").iterdir():
